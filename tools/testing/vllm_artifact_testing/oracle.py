@@ -1,0 +1,211 @@
+"""Routing oracle: the router top-k a Hugging Face ``transformers`` forward pass picks.
+
+vLLM's routed-expert output (R3) for a sequence must match what the model's
+routers choose when the whole sequence is run once, in float32, through the
+reference implementation. This module runs that reference pass and compares.
+
+How the router logits are read: a forward hook on each MoE layer's
+``mlp.gate``. In ``transformers`` 5.x that module is ``Qwen3MoeTopKRouter``,
+whose output is ``(router_logits, top_k_weights, top_k_indices)``; in 4.x it is
+an ``nn.Linear`` returning the logits. The hook takes the logits either way and
+the top-k is taken here on the logits, as vLLM's CPU and GPU routers do
+(``transformers`` takes it on the softmax, which is the same set except at
+exact ties). Hooks, rather than ``output_router_logits=True``, keep the layer
+index of every logit tensor explicit (that output lists MoE layers only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DENSE_FILL = -1
+"""Expert ID the oracle puts in every slot of a dense (non-MoE) layer."""
+
+
+@dataclass(frozen=True)
+class RouterOracle:
+    """Router decisions of the reference forward pass for one token sequence.
+
+    ``topk_ids[t, l]`` are layer ``l``'s top-k experts for token ``t``, in
+    descending logit order; dense layers hold ``DENSE_FILL`` (-1).
+    ``topk_gap[t, l]`` is the k-th minus the (k+1)-th largest router logit: the
+    margin by which the choice is made (small means a near-tie that float noise
+    may flip); it is ``+inf`` for dense layers and when ``top_k == num_experts``.
+    ``router_logits[t, l]`` are the raw logits (zeros for dense layers).
+    """
+
+    token_ids: tuple[int, ...]
+    topk_ids: np.ndarray  # int64 [T, L, k]
+    topk_gap: np.ndarray  # float32 [T, L]
+    router_logits: np.ndarray  # float32 [T, L, E]
+    moe_layers: np.ndarray  # bool [L]
+    num_experts: int
+    top_k: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+
+_MODELS: dict[str, Any] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def load_hf_model(model_dir: str | Path) -> Any:
+    """Load (once per path and process) the float32 eval-mode ``transformers`` model."""
+    from transformers import AutoModelForCausalLM
+
+    key = str(Path(model_dir).resolve())
+    with _MODELS_LOCK:
+        model = _MODELS.get(key)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                key, dtype=torch.float32, attn_implementation="eager"
+            )
+            model.eval()
+            _MODELS[key] = model
+        return model
+
+
+def clear_model_cache() -> None:
+    """Drop the cached ``transformers`` models (to free memory)."""
+    with _MODELS_LOCK:
+        _MODELS.clear()
+
+
+def _decoder_layers(model: Any) -> Sequence[Any]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no model.layers; not a decoder-only MoE?")
+    return list(layers)
+
+
+def _router_of(layer: Any) -> Any | None:
+    """The router module of a decoder layer, or None for a dense MLP layer."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None or not hasattr(mlp, "experts"):
+        return None
+    return getattr(mlp, "gate", None)
+
+
+def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOracle:
+    """Run ``token_ids`` (one sequence, positions 0..T-1) and return every layer's router top-k."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("token_ids is empty")
+    model = load_hf_model(model_dir)
+    config = model.config
+    num_experts = int(config.num_experts)
+    top_k = int(config.num_experts_per_tok)
+    layers = _decoder_layers(model)
+    num_layers, num_tokens = len(layers), len(ids)
+
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for idx, layer in enumerate(layers):
+        router = _router_of(layer)
+        if router is None:
+            continue
+
+        def hook(_mod: Any, _inp: Any, out: Any, idx: int = idx) -> None:
+            logits = out[0] if isinstance(out, tuple) else out
+            captured[idx] = logits.detach().reshape(-1, logits.shape[-1]).to(torch.float32)
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    moe_layers = np.zeros(num_layers, dtype=bool)
+    topk_ids = np.full((num_tokens, num_layers, top_k), DENSE_FILL, dtype=np.int64)
+    topk_gap = np.full((num_tokens, num_layers), np.inf, dtype=np.float32)
+    router_logits = np.zeros((num_tokens, num_layers, num_experts), dtype=np.float32)
+    for idx, logits in captured.items():
+        if tuple(logits.shape) != (num_tokens, num_experts):
+            raise RuntimeError(f"layer {idx}: router logits {tuple(logits.shape)} unexpected")
+        moe_layers[idx] = True
+        router_logits[:, idx] = logits.numpy()
+        kk = min(top_k + 1, num_experts)
+        values, indices = torch.topk(logits, kk, dim=-1, sorted=True)
+        topk_ids[:, idx] = indices[:, :top_k].numpy()
+        if kk > top_k:
+            topk_gap[:, idx] = (values[:, top_k - 1] - values[:, top_k]).numpy()
+    return RouterOracle(
+        token_ids=tuple(ids),
+        topk_ids=topk_ids,
+        topk_gap=topk_gap,
+        router_logits=router_logits,
+        moe_layers=moe_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+    )
+
+
+def assert_routing_matches(
+    actual: np.ndarray,
+    oracle: RouterOracle,
+    *,
+    rows: slice | None = None,
+    near_tie_gap: float = 0.0,
+) -> None:
+    """Check routed experts ``actual`` [T, L, k] against the oracle, row by row.
+
+    ``rows`` picks the oracle rows ``actual`` stands for (default: all; e.g.
+    ``slice(0, n)`` when the engine returned experts for the first n tokens).
+    Each MoE-layer row is compared as a multiset (the order within the top-k is
+    not part of the contract); dense-layer rows must be all zeros, which is what
+    vLLM writes there. Mismatches at rows whose logit gap is below
+    ``near_tie_gap`` are tolerated (default 0: none are).
+    Raises AssertionError naming the first mismatching token and layer.
+    """
+    act = np.asarray(actual)
+    sel = rows if rows is not None else slice(None)
+    expected = oracle.topk_ids[sel]
+    gaps = oracle.topk_gap[sel]
+    first_row = range(oracle.num_tokens)[sel]
+    if act.ndim != 3 or act.shape != expected.shape:
+        raise AssertionError(
+            f"routed experts have shape {act.shape}, expected {expected.shape} "
+            f"(oracle has {oracle.num_tokens} tokens, rows={rows})"
+        )
+    act = act.astype(np.int64)
+
+    dense = ~oracle.moe_layers
+    if dense.any():
+        bad = np.argwhere(act[:, dense, :] != 0)
+        if len(bad):
+            t, li, _ = bad[0]
+            layer = int(np.flatnonzero(dense)[li])
+            raise AssertionError(
+                f"dense layer {layer} must hold zeros, token {first_row[t]} has "
+                f"{act[t, layer].tolist()} ({len(bad)} nonzero entries in dense layers)"
+            )
+
+    moe = np.flatnonzero(oracle.moe_layers)
+    act_sorted = np.sort(act[:, moe, :], axis=-1)
+    exp_sorted = np.sort(expected[:, moe, :], axis=-1)
+    mismatch = (act_sorted != exp_sorted).any(axis=-1) & ~(gaps[:, moe] < near_tie_gap)
+    if mismatch.any():
+        t, li = (int(v) for v in np.argwhere(mismatch)[0])
+        layer = int(moe[li])
+        raise AssertionError(
+            f"routing mismatch at token {first_row[t]} (row {t} of actual), layer {layer}: "
+            f"actual {sorted(act[t, layer].tolist())} != expected "
+            f"{sorted(expected[t, layer].tolist())}; top-{oracle.top_k} logit gap "
+            f"{float(gaps[t, layer]):.6g}; {int(mismatch.sum())} mismatching "
+            f"(token, layer) pairs of {mismatch.size}"
+        )

@@ -1,0 +1,200 @@
+"""Object envelope: the 64-byte header stored in front of every R3 object.
+
+The envelope makes each object self-describing and verifiable on its own:
+schema version, dtype, shape, token range, key identity and an xxh3-64
+checksum. Readers validate it on every read, so neither a stale index entry,
+a reused slot, a torn write nor a flipped byte can turn into wrong R3.
+
+Checksum: xxh3_64 of the payload, *seeded* with a mix of every other envelope
+field (key, token range, dtype, shape, version). One hash call per object thus
+binds payload and header together: a payload paired with another object's
+header, or a header field flipped after publication, fails validation. xxh3 is
+used because it runs at memory speed (~0.6 ms for a 14.5 MiB sample here,
+versus ~6 ms for blake3 and ~11 ms for sha256) and the python-xxhash binding is
+widely used and maintained; corruption, not forgery, is the threat on a
+private same-user /dev/shm root (keys themselves are BLAKE2b).
+
+``seq`` is the slot's sequence counter used as a seqlock by the shm store:
+odd while being written, even and non-zero once published; it is deliberately
+not covered by the checksum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from vllm_artifact.core.keys import ObjectKey
+from vllm_artifact.core.schema import R3Layout
+
+__all__ = [
+    "HEADER_DTYPE",
+    "HEADER_NBYTES",
+    "OBJECT_MAGIC",
+    "SCHEMA_VERSION",
+    "Envelope",
+    "checksum",
+    "checksum_seeds",
+    "fill_headers",
+    "header_problems",
+]
+
+#: Bumped whenever the envelope or payload encoding changes.
+SCHEMA_VERSION = 1
+#: Marks a slot header that holds an object ("R3OB"); 0 means empty.
+OBJECT_MAGIC = int.from_bytes(b"R3OB", "little")
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("seq", "<u8"),
+        ("key0", "<u8"),
+        ("key1", "<u8"),
+        ("token_start", "<u8"),
+        ("checksum", "<u8"),
+        ("n_tokens", "<u4"),
+        ("magic", "<u4"),
+        ("schema_version", "<u2"),
+        ("dtype_code", "u1"),
+        ("flags", "u1"),
+        ("num_layers", "<u2"),
+        ("top_k", "<u2"),
+        ("payload_nbytes", "<u4"),
+        ("reserved", "<u4"),
+    ]
+)
+HEADER_NBYTES = HEADER_DTYPE.itemsize
+assert HEADER_NBYTES == 64
+
+_M64 = (1 << 64) - 1
+_P1 = 0x9E3779B97F4A7C15
+_P2 = 0xC2B2AE3D27D4EB4F
+_P3 = 0x165667B19E3779F9
+_P4 = 0xD6E8FEB86659FD93
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
+
+
+def checksum(payload: memoryview | bytes, seed: int) -> int:
+    """xxh3_64 of ``payload`` with an envelope-derived ``seed``."""
+    return _xxh3_64(payload, seed)
+
+
+def _meta_word(
+    schema_version: np.ndarray | int,
+    dtype_code: np.ndarray | int,
+    num_layers: np.ndarray | int,
+    top_k: np.ndarray | int,
+    n_tokens: np.ndarray | int,
+) -> np.ndarray:
+    sv = np.asarray(schema_version, dtype=np.uint64)
+    dc = np.asarray(dtype_code, dtype=np.uint64)
+    nl = np.asarray(num_layers, dtype=np.uint64)
+    tk = np.asarray(top_k, dtype=np.uint64)
+    nt = np.asarray(n_tokens, dtype=np.uint64)
+    return (
+        sv
+        | (dc << np.uint64(8))
+        | (nl << np.uint64(16))
+        | (tk << np.uint64(32))
+        | (nt << np.uint64(48))
+    )
+
+
+def checksum_seeds(headers: np.ndarray) -> list[int]:
+    """Seeds for a batch of headers (structured ``HEADER_DTYPE`` array)."""
+    meta = _meta_word(
+        headers["schema_version"],
+        headers["dtype_code"],
+        headers["num_layers"],
+        headers["top_k"],
+        headers["n_tokens"],
+    )
+    with np.errstate(over="ignore"):
+        mixed = (
+            headers["key0"]
+            ^ (headers["key1"] * np.uint64(_P1))
+            ^ (headers["token_start"] * np.uint64(_P2))
+            ^ (np.atleast_1d(meta) * np.uint64(_P3))
+        ) * np.uint64(_P4)
+    return [int(s) for s in np.atleast_1d(mixed).tolist()]
+
+
+def header_problems(headers: np.ndarray, layout: R3Layout) -> np.ndarray:
+    """Bool mask of headers whose format fields disagree with ``layout``.
+
+    Checks only what must hold for any object of this layout (not key, seq or
+    checksum, which the reader checks against its own expectations).
+    """
+    n_tokens = headers["n_tokens"].astype(np.int64)
+    return (
+        (headers["magic"] != OBJECT_MAGIC)
+        | (headers["schema_version"] != SCHEMA_VERSION)
+        | (headers["dtype_code"] != layout.dtype_code)
+        | (headers["num_layers"] != layout.num_layers)
+        | (headers["top_k"] != layout.top_k)
+        | (n_tokens < 1)
+        | (n_tokens > layout.block_size)
+        | (headers["payload_nbytes"].astype(np.int64) != n_tokens * layout.row_nbytes)
+        | (headers["token_start"] % np.uint64(layout.block_size) != 0)
+    )
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Decoded envelope of one object (for inspection and tests)."""
+
+    key: ObjectKey
+    token_start: int
+    n_tokens: int
+    schema_version: int
+    dtype_code: int
+    num_layers: int
+    top_k: int
+    payload_nbytes: int
+    checksum: int
+    seq: int
+
+    @classmethod
+    def from_header(cls, header: np.void) -> Envelope:
+        key = int(header["key0"]).to_bytes(8, "little") + int(header["key1"]).to_bytes(8, "little")
+        return cls(
+            key=ObjectKey(key),
+            token_start=int(header["token_start"]),
+            n_tokens=int(header["n_tokens"]),
+            schema_version=int(header["schema_version"]),
+            dtype_code=int(header["dtype_code"]),
+            num_layers=int(header["num_layers"]),
+            top_k=int(header["top_k"]),
+            payload_nbytes=int(header["payload_nbytes"]),
+            checksum=int(header["checksum"]),
+            seq=int(header["seq"]),
+        )
+
+    @property
+    def token_range(self) -> tuple[int, int]:
+        """Half-open token range ``[start, stop)`` covered by the object."""
+        return (self.token_start, self.token_start + self.n_tokens)
+
+
+def fill_headers(
+    headers: np.ndarray,
+    key_words: np.ndarray,
+    token_starts: np.ndarray,
+    n_tokens: np.ndarray,
+    layout: R3Layout,
+) -> None:
+    """Write every envelope field except ``seq`` and ``checksum`` (vectorized)."""
+    headers["key0"] = key_words[:, 0]
+    headers["key1"] = key_words[:, 1]
+    headers["token_start"] = token_starts
+    headers["n_tokens"] = n_tokens
+    headers["magic"] = OBJECT_MAGIC
+    headers["schema_version"] = SCHEMA_VERSION
+    headers["dtype_code"] = layout.dtype_code
+    headers["flags"] = 0
+    headers["num_layers"] = layout.num_layers
+    headers["top_k"] = layout.top_k
+    headers["payload_nbytes"] = n_tokens * layout.row_nbytes
+    headers["reserved"] = 0

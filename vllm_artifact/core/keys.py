@@ -1,0 +1,170 @@
+"""Object keys: a namespace plus a KV-compatible block hash.
+
+KV block hashes (``request.block_hashes``) identify token content and its
+prefix chain, but not the model, the R3 layout or the weights. A key therefore
+mixes a :class:`Namespace` (model identity + layout + weight version) with the
+caller-supplied block hash, so two models on one root, or one model before and
+after a weight update, can never read each other's objects.
+
+Keys are 16-byte keyed BLAKE2b digests: fixed length, uniformly distributed
+(the store's hash index relies on that), and collision resistant even when a
+deployment runs prefix caching with a non-cryptographic block hash. Their hex
+form is a safe file name (no path characters, 32 chars). Full-block keys and
+terminal partial-block ("tail") keys are domain-separated, and the tail key also
+binds its token count, so a tail can never be confused with a full block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.errors import SchemaError
+
+__all__ = [
+    "KEY_NBYTES",
+    "Namespace",
+    "ObjectKey",
+    "full_block_key",
+    "full_block_keys",
+    "keys_to_words",
+    "tail_block_key",
+]
+
+#: Size of an object key in bytes.
+KEY_NBYTES = 16
+_MAX_BLOCK_HASH_NBYTES = 1024
+_MAX_FIELD_CHARS = 4096
+_PERSON_NAMESPACE = b"vart-r3-ns-v1"
+_PERSON_FULL = b"vart-r3-full-v1"
+_PERSON_TAIL = b"vart-r3-tail-v1"
+
+
+class ObjectKey(bytes):
+    """A 16-byte object key. A ``bytes`` subclass: cheap to hash, join, pickle."""
+
+    __slots__ = ()
+
+    def __new__(cls, digest: bytes) -> ObjectKey:
+        if len(digest) != KEY_NBYTES:
+            raise SchemaError(f"ObjectKey must be {KEY_NBYTES} bytes, got {len(digest)}")
+        return super().__new__(cls, digest)
+
+    @property
+    def name(self) -> str:
+        """Hex form; safe as a file or log name."""
+        return self.hex()
+
+    def __repr__(self) -> str:
+        return f"ObjectKey({self.hex()})"
+
+
+def _field(value: str, what: str) -> bytes:
+    if not isinstance(value, str) or not value or len(value) > _MAX_FIELD_CHARS:
+        raise SchemaError(f"Namespace.{what} must be a non-empty str of <= {_MAX_FIELD_CHARS}")
+    raw = value.encode("utf-8")
+    return len(raw).to_bytes(4, "little") + raw
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must differ for R3 of one block hash to differ.
+
+    ``weight_version`` is the engine's weight version string (vLLM's
+    weight-version API); it must change on every in-place weight update.
+    """
+
+    model_id: str
+    layout: R3Layout
+    weight_version: str
+
+    def __post_init__(self) -> None:
+        _field(self.model_id, "model_id")
+        _field(self.weight_version, "weight_version")
+        if not isinstance(self.layout, R3Layout):
+            raise SchemaError("Namespace.layout must be an R3Layout")
+
+    @cached_property
+    def digest(self) -> bytes:
+        """32-byte stable digest of the namespace (length-prefixed fields)."""
+        blob = (
+            _field(self.model_id, "model_id")
+            + _field(self.layout.canonical(), "layout")
+            + _field(self.weight_version, "weight_version")
+        )
+        return hashlib.blake2b(blob, digest_size=32, person=_PERSON_NAMESPACE).digest()
+
+    @property
+    def short(self) -> str:
+        """Short hex id for logs and store names."""
+        return self.digest[:8].hex()
+
+    def describe(self) -> str:
+        """One-line human description for the startup log."""
+        return (
+            f"model={self.model_id!r} weight_version={self.weight_version!r} "
+            f"layout=({self.layout.canonical()}) ns={self.short}"
+        )
+
+
+def _check_hash(block_hash: bytes) -> bytes:
+    if not isinstance(block_hash, bytes | bytearray | memoryview):
+        raise SchemaError(f"block hash must be bytes, got {type(block_hash).__name__}")
+    if not 1 <= len(block_hash) <= _MAX_BLOCK_HASH_NBYTES:
+        raise SchemaError(f"block hash must be 1..{_MAX_BLOCK_HASH_NBYTES} bytes")
+    return bytes(block_hash)
+
+
+def full_block_key(namespace: Namespace, block_hash: bytes) -> ObjectKey:
+    """Key of the object holding the rows of one full KV block."""
+    return ObjectKey(
+        hashlib.blake2b(
+            _check_hash(block_hash),
+            digest_size=KEY_NBYTES,
+            key=namespace.digest,
+            person=_PERSON_FULL,
+        ).digest()
+    )
+
+
+def full_block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list[ObjectKey]:
+    """Keys of many full blocks, in order (a request's ``block_hashes``)."""
+    ns = namespace.digest
+    out = []
+    for block_hash in block_hashes:
+        raw = _check_hash(block_hash)
+        digest = hashlib.blake2b(raw, digest_size=KEY_NBYTES, key=ns, person=_PERSON_FULL).digest()
+        out.append(ObjectKey(digest))
+    return out
+
+
+def tail_block_key(namespace: Namespace, tail_hash: bytes, num_tokens: int) -> ObjectKey:
+    """Key of a terminal partial block.
+
+    ``tail_hash`` is computed by the caller with the KV cache's own hash
+    function from the parent block hash, the tail tokens and the same extra
+    keys; ``num_tokens`` is the number of rows in the object (bound into the
+    key, and validated again on read through the envelope).
+    """
+    if not isinstance(num_tokens, int) or not 1 <= num_tokens <= namespace.layout.block_size:
+        raise SchemaError(
+            f"tail num_tokens={num_tokens!r} must be in 1..{namespace.layout.block_size}"
+        )
+    payload = num_tokens.to_bytes(4, "little") + _check_hash(tail_hash)
+    return ObjectKey(
+        hashlib.blake2b(
+            payload, digest_size=KEY_NBYTES, key=namespace.digest, person=_PERSON_TAIL
+        ).digest()
+    )
+
+
+def keys_to_words(keys: Sequence[bytes]) -> np.ndarray:
+    """Keys as a ``[n, 2]`` little-endian uint64 array (for vectorized lookups)."""
+    if any(len(k) != KEY_NBYTES for k in keys):
+        raise SchemaError(f"every key must be {KEY_NBYTES} bytes")
+    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

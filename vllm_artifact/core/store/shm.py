@@ -1,0 +1,775 @@
+"""Same-node shared-memory object store under a private /dev/shm root.
+
+One store = one directory ``<root>/<name>/`` holding ``writer.lock`` (writer
+liveness, :mod:`.shm_gc`) and ``arena`` (index, envelopes and payloads,
+:mod:`.shm_arena`). One writer process owns a store; any process of the same
+user on the node opens it read-only by ``(root, name)``.
+
+Publish protocol (per slot, a seqlock; crash-safe and lock-free for readers):
+
+1. if the slot held an evicted object, remove its index entry;
+2. ``seq += 1`` (odd: "being written"); readers skip the slot;
+3. write payload, then envelope fields and checksum;
+4. ``seq += 1`` (even: published);
+5. insert the key -> slot index entry.
+
+A reader looks the key up in the index, reads ``seq``, copies the envelope and
+the payload, verifies key, envelope and the xxh3 checksum *on the bytes it
+copied*, then re-reads ``seq``: if it changed, the slot was reused during the
+read and the read is retried (and reported missing if the object is gone).
+A writer killed at any point leaves slots with an odd ``seq`` (invisible to
+readers, dropped by the next writer) or complete objects (kept); never a
+visible half-written object.
+
+Reopen after a crash: the next writer takes the lock, drops odd/invalid slots,
+removes temporary files and rebuilds the index with vectorized numpy passes
+(well under a second for a 1M-slot store); checksums are verified lazily on
+each read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_artifact.core.envelope import (
+    HEADER_DTYPE,
+    checksum,
+    checksum_seeds,
+    fill_headers,
+    header_problems,
+)
+from vllm_artifact.core.keys import KEY_NBYTES, ObjectKey, keys_to_words
+from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.store.contract import ObjectStore, PutItem, StoreStats
+from vllm_artifact.core.store.shm_arena import (
+    ARENA_NAME,
+    TMP_PREFIX,
+    Arena,
+    ArenaGeometry,
+    create_arena,
+    open_arena,
+)
+from vllm_artifact.core.store.shm_gc import StaleStoreDir, WriterLock, collect_expired_stores
+from vllm_artifact.core.store.shm_index import HashIndex
+from vllm_artifact.core.store.shm_root import (
+    _lexical,
+    check_shm_space,
+    default_root,
+    open_root,
+    open_store_dir,
+)
+from vllm_artifact.core.store.shm_slots import SlotTable
+from vllm_artifact.errors import (
+    CapacityError,
+    KeyCollisionError,
+    ObjectCorruptError,
+    ObjectMissingError,
+    SchemaError,
+    StoreClosedError,
+    StoreError,
+    StoreFormatError,
+    StoreNotFoundError,
+    StoreReadOnlyError,
+    WriterConflictError,
+)
+
+__all__ = ["RecoveryReport", "ShmStore"]
+
+logger = logging.getLogger(__name__)
+
+_READ_ATTEMPTS = 4
+_OPEN_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What a writer found when it opened a store."""
+
+    recreated: bool
+    reason: str
+    objects: int
+    dropped_partial: int
+    dropped_invalid: int
+
+
+@dataclass
+class _Located:
+    """Result of locating keys: slot per key plus its envelope snapshot."""
+
+    slots: np.ndarray  # int64, -1 where not found
+    seq: np.ndarray  # seq read before the envelope copy
+    headers: np.ndarray  # envelope copies (HEADER_DTYPE)
+    present: np.ndarray  # key found, published, envelope valid
+    corrupt: np.ndarray  # key found and published, envelope fields invalid
+    unstable: np.ndarray  # key found but the slot is being rewritten
+
+
+class ShmStore(ObjectStore):
+    """Object store backed by one mmap'd arena under /dev/shm (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        root: str,
+        name: str,
+        arena: Arena,
+        lock: WriterLock | None,
+        recovery: RecoveryReport | None = None,
+    ) -> None:
+        self.root = root
+        self.name = name
+        self._arena: Arena | None = arena
+        self._layout = arena.geometry.layout
+        self._index = HashIndex(arena.index_table)
+        self._lock = lock
+        self._slots = SlotTable(arena.geometry.slot_count) if lock is not None else None
+        self._mutex = threading.RLock()
+        self.recovery = recovery
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def create_or_open_writer(
+        cls,
+        root: str | os.PathLike[str] | None,
+        name: str,
+        *,
+        layout: R3Layout,
+        capacity_bytes: int,
+        ttl_seconds: float = 3600.0,
+        collect_expired: bool = True,
+    ) -> ShmStore:
+        """Open ``root/name`` as its single writer, creating or recovering it.
+
+        ``capacity_bytes`` bounds the arena file. An existing arena with the
+        same layout and capacity is recovered (its objects stay readable after
+        an engine restart); otherwise it is replaced. With
+        ``collect_expired``, stores of dead writers idle for more than
+        ``ttl_seconds`` are removed first.
+        """
+        root_path = _lexical(default_root() if root is None else root)
+        geometry = ArenaGeometry.for_capacity(layout, capacity_bytes)
+        where = f"{root_path}/{name}"
+        for attempt in range(_OPEN_ATTEMPTS):
+            if collect_expired and attempt == 0:
+                collect_expired_stores(root_path, ttl_seconds)
+            root_fd = open_root(root_path, create=True)
+            try:
+                dir_fd = open_store_dir(root_fd, name, create=True, where=root_path)
+                try:
+                    try:
+                        lock = WriterLock.acquire(root_fd, dir_fd, name, where=where)
+                    except StaleStoreDir:
+                        continue
+                    except WriterConflictError:
+                        if attempt == _OPEN_ATTEMPTS - 1:
+                            raise
+                        time.sleep(0.05 * (attempt + 1))
+                        continue
+                    try:
+                        arena, recovery = cls._open_writer_arena(dir_fd, geometry, root_path, where)
+                    except BaseException:
+                        lock.release()
+                        raise
+                finally:
+                    os.close(dir_fd)
+            finally:
+                os.close(root_fd)
+            store = cls(root=root_path, name=name, arena=arena, lock=lock, recovery=recovery)
+            store._adopt()
+            return store
+        raise StoreError(f"could not open R3 store {where!r}: it kept being replaced")
+
+    @classmethod
+    def open_reader(cls, root: str | os.PathLike[str] | None, name: str) -> ShmStore:
+        """Open ``root/name`` read-only (any process of the same user)."""
+        root_path = _lexical(default_root() if root is None else root)
+        root_fd = open_root(root_path, create=False)
+        try:
+            dir_fd = open_store_dir(root_fd, name, create=False, where=root_path)
+            try:
+                try:
+                    arena = open_arena(dir_fd, writable=False, where=f"{root_path}/{name}")
+                except FileNotFoundError:
+                    raise StoreNotFoundError(
+                        f"R3 store {root_path}/{name} has no arena yet; its writer is starting "
+                        "or failed"
+                    ) from None
+            finally:
+                os.close(dir_fd)
+        finally:
+            os.close(root_fd)
+        return cls(root=root_path, name=name, arena=arena, lock=None)
+
+    @staticmethod
+    def _open_writer_arena(
+        dir_fd: int, geometry: ArenaGeometry, root: str, where: str
+    ) -> tuple[Arena, RecoveryReport]:
+        for entry in os.scandir(dir_fd):
+            if entry.name.startswith(TMP_PREFIX):
+                os.unlink(entry.name, dir_fd=dir_fd)  # an interrupted creation
+        old_size = 0
+        reason = "new store"
+        try:
+            arena = open_arena(dir_fd, writable=True, where=where)
+        except FileNotFoundError:
+            pass
+        except StoreFormatError as err:
+            reason = f"unreadable arena replaced ({err})"
+            old_size = os.stat(ARENA_NAME, dir_fd=dir_fd, follow_symlinks=False).st_size
+        else:
+            if arena.geometry == geometry:
+                dropped = _recover(arena)
+                return arena, RecoveryReport(False, "reopened", *dropped)
+            reason = "layout or capacity changed; old objects dropped"
+            old_size = arena.geometry.file_nbytes
+            arena.close()
+        check_shm_space(root, geometry.file_nbytes, reclaimable_bytes=old_size)
+        arena = create_arena(dir_fd, geometry, where=where)
+        logger.info("R3 store %s: created arena (%s)", where, reason)
+        return arena, RecoveryReport(True, reason, 0, 0, 0)
+
+    def _adopt(self) -> None:
+        """Load writer bookkeeping from the (recovered) envelopes."""
+        assert self._slots is not None
+        arena = self._live()
+        present = (arena.headers["magic"] != 0) & ((arena.seq & np.uint64(1)) == 0)
+        self._slots.occupied[:] = present
+        self._slots.referenced[:] = False
+
+    # ------------------------------------------------------------------- basics
+
+    @property
+    def layout(self) -> R3Layout:
+        return self._layout
+
+    @property
+    def writable(self) -> bool:
+        return self._lock is not None
+
+    @property
+    def geometry(self) -> ArenaGeometry:
+        return self._live().geometry
+
+    def _live(self) -> Arena:
+        arena = self._arena
+        if arena is None:
+            raise StoreClosedError(f"R3 store {self.root}/{self.name} handle is closed")
+        return arena
+
+    def _writer(self) -> tuple[Arena, SlotTable]:
+        arena = self._live()
+        if self._slots is None:
+            raise StoreReadOnlyError(
+                f"R3 store {self.root}/{self.name} is open read-only; only its writer "
+                "(the engine's global rank zero) may publish or pin"
+            )
+        return arena, self._slots
+
+    def close(self) -> None:
+        with self._mutex:
+            arena, self._arena = self._arena, None
+            if arena is None:
+                return
+            arena.close()
+            if self._lock is not None:
+                self._lock.heartbeat(force=True)
+                self._lock.release()
+
+    def stats(self) -> StoreStats:
+        with self._mutex:
+            arena = self._live()
+            g = arena.geometry
+            if self._slots is not None:
+                objects = self._slots.objects
+                pinned = self._slots.pinned
+                evictions = self._slots.evictions
+            else:
+                objects = int(
+                    np.count_nonzero(
+                        (arena.headers["magic"] != 0) & ((arena.seq & np.uint64(1)) == 0)
+                    )
+                )
+                pinned = evictions = 0
+            return StoreStats(
+                objects=objects,
+                bytes_used=objects * g.slot_nbytes,
+                capacity_bytes=g.file_nbytes,
+                capacity_objects=g.slot_count,
+                pinned_objects=pinned,
+                evictions=evictions,
+                writable=self.writable,
+            )
+
+    def heartbeat(self) -> None:
+        """Refresh the writer's liveness marker (also done on every put)."""
+        if self._lock is not None:
+            self._lock.heartbeat(force=True)
+
+    # ----------------------------------------------------------------- locating
+
+    def _locate(self, words: np.ndarray) -> _Located:
+        arena = self._live()
+        n = len(words)
+        cand = self._index.candidates(words)
+        has = cand >= 0
+        slots = cand[np.arange(n), np.argmax(has, axis=1)]
+        safe = np.where(slots >= 0, slots, 0)
+        seq = arena.seq[safe]
+        headers = arena.headers[safe]
+        keyok = (slots >= 0) & (headers["key0"] == words[:, 0]) & (headers["key1"] == words[:, 1])
+        for i in np.flatnonzero(~keyok & (np.count_nonzero(has, axis=1) > 1)).tolist():
+            for s in cand[i][has[i]].tolist():  # rare: two tags in one bucket pair
+                h = arena.headers[s]
+                if int(h["key0"]) == int(words[i, 0]) and int(h["key1"]) == int(words[i, 1]):
+                    slots[i], seq[i], headers[i], keyok[i] = s, arena.seq[s], h, True
+                    break
+        slots = np.where(keyok, slots, -1)
+        stable = keyok & ((seq & np.uint64(1)) == 0) & (seq > 0) & (headers["seq"] == seq)
+        problems = header_problems(headers, self._layout)
+        return _Located(
+            slots=slots,
+            seq=seq,
+            headers=headers,
+            present=stable & ~problems,
+            corrupt=stable & problems,
+            unstable=keyok & ~stable,
+        )
+
+    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        if not keys:
+            return []
+        with self._mutex:
+            return [bool(x) for x in self._locate(keys_to_words(keys)).present.tolist()]
+
+    def envelope_of(self, key: ObjectKey) -> np.void | None:
+        """The envelope copy of ``key`` (inspection/tests), or None if absent."""
+        with self._mutex:
+            loc = self._locate(keys_to_words([key]))
+            return loc.headers[0] if loc.present[0] or loc.corrupt[0] else None
+
+    # ------------------------------------------------------------------ reading
+
+    def _missing(self, keys: Sequence[ObjectKey], mask: np.ndarray, why: str) -> ObjectMissingError:
+        idx = np.flatnonzero(mask)
+        g = self._live().geometry
+        evicted = f", {self._slots.evictions} evicted so far" if self._slots is not None else ""
+        return ObjectMissingError(
+            f"{len(idx)} of {len(keys)} R3 objects are not in store {self.root}/{self.name} "
+            f"(first: key {keys[int(idx[0])].hex()}, {why}). The store holds at most "
+            f"{g.slot_count} blocks ({g.file_nbytes / 2**20:.0f} MiB{evicted}); objects the "
+            "KV cache can still hit must fit. Increase --artifact-capacity."
+        )
+
+    def _corrupt(self, keys: Sequence[ObjectKey], mask: np.ndarray, why: str) -> ObjectCorruptError:
+        idx = np.flatnonzero(mask)
+        return ObjectCorruptError(
+            f"{len(idx)} of {len(keys)} R3 objects in store {self.root}/{self.name} failed "
+            f"validation (first: key {keys[int(idx[0])].hex()}: {why}); the request fails "
+            "closed. Republishing the block replaces a corrupt object; if this repeats, "
+            "check the host's memory and that nothing else writes under the store root."
+        )
+
+    def _read(self, keys: Sequence[ObjectKey], dest: _Dest) -> None:
+        """Locate, copy and verify ``keys`` into ``dest`` (seqlock-retrying)."""
+        words = keys_to_words(keys)
+        suspicious = False
+        for _ in range(_READ_ATTEMPTS):
+            loc = self._locate(words)
+            if (~loc.present & ~loc.corrupt & ~loc.unstable).any():
+                raise self._missing(
+                    keys, ~loc.present & ~loc.corrupt & ~loc.unstable, "evicted or never published"
+                )
+            if loc.unstable.any():
+                time.sleep(0.0005)
+                continue
+            if loc.corrupt.any():
+                raise self._corrupt(keys, loc.corrupt, "envelope does not match the layout")
+            out, dst = dest.prepare(loc.headers)
+            nbytes = loc.headers["payload_nbytes"].astype(np.int64)
+            self._copy(loc.slots, nbytes, out, dst)
+            bad = _verify(out, dst, nbytes, loc.headers)
+            changed = self._live().seq[loc.slots] != loc.seq
+            if changed.any():
+                continue  # slot reused while we read: look the keys up again
+            if bad.any():
+                if suspicious:
+                    raise self._corrupt(keys, bad, "checksum mismatch")
+                suspicious = True  # a write may not be visible yet on weakly ordered CPUs
+                time.sleep(0.001)
+                continue
+            if self._slots is not None:
+                self._slots.touch(loc.slots)
+            return
+        raise self._missing(keys, np.ones(len(keys), dtype=bool), "replaced while being read")
+
+    def _copy(
+        self, slots: np.ndarray, nbytes: np.ndarray, out: memoryview, dst: np.ndarray
+    ) -> None:
+        """Copy payloads into ``out``; objects in consecutive slots move as one range."""
+        payload = self._live().payload
+        src = slots * self._live().geometry.slot_nbytes
+        n = len(slots)
+        # destinations are back to back, so a run needs only contiguous sources
+        contiguous = (src[1:] == src[:-1] + nbytes[:-1]) & (dst[1:] == dst[:-1] + nbytes[:-1])
+        breaks = np.flatnonzero(~contiguous) + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), n]
+        src_l, dst_l, nb_l = src.tolist(), dst.tolist(), nbytes.tolist()
+        for s, e in zip(starts, ends, strict=True):
+            a = src_l[s]
+            b = src_l[e - 1] + nb_l[e - 1]
+            d = dst_l[s]
+            out[d : d + (b - a)] = payload[a:b]
+
+    def read_into(
+        self, keys: Sequence[ObjectKey], out: np.ndarray, *, token_start: int = 0
+    ) -> None:
+        lay = self._layout
+        if (
+            not isinstance(out, np.ndarray)
+            or out.dtype != lay.dtype
+            or out.ndim != 3
+            or (
+                out.shape[1:] != lay.row_shape
+                or not out.flags.c_contiguous
+                or not out.flags.writeable
+            )
+        ):
+            raise SchemaError(
+                f"read_into needs a writable C-contiguous {lay.dtype} array [tokens, "
+                f"{lay.num_layers}, {lay.top_k}]"
+            )
+        if not keys:
+            if len(out):
+                raise SchemaError(f"no keys given for {len(out)} rows")
+            return
+        with self._mutex:
+            self._read(keys, _IntoDest(self, keys, out, token_start))
+
+    def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:
+        if not keys:
+            return []
+        with self._mutex:
+            dest = _FreshDest(self._layout)
+            self._read(keys, dest)
+            return dest.arrays()
+
+    # ----------------------------------------------------------------- writing
+
+    def put(
+        self, items: Sequence[PutItem | tuple[ObjectKey, np.ndarray, int]], *, pin: bool = True
+    ) -> None:
+        if not items:
+            return
+        with self._mutex:
+            _, slots_tab = self._writer()
+            keys, rows, starts = self._check_items(items)
+            words = keys_to_words(keys)
+            loc = self._locate(words)
+            found = loc.present | loc.corrupt
+            if loc.unstable.any():  # only the writer rewrites slots; this is leftover
+                found |= loc.unstable
+            existing = np.flatnonzero(found)
+            drop: list[int] = []
+            for i in existing.tolist():
+                if loc.present[i] and self._same_content(loc, i, rows[i], starts[i]):
+                    continue
+                if loc.present[i] and self._object_intact(loc, i):
+                    raise KeyCollisionError(
+                        f"R3 key {keys[i].hex()} is already published with different content "
+                        f"(tokens {int(loc.headers['token_start'][i])}+"
+                        f"{int(loc.headers['n_tokens'][i])}, now {starts[i]}+{len(rows[i])}). "
+                        "Keys must include everything that changes routing: check the weight "
+                        "version and the model namespace; the block hash must be the KV one."
+                    )
+                drop.append(i)  # a corrupt or half-written leftover: replace it
+            if drop:
+                d = np.array(drop, dtype=np.int64)
+                self._index.remove(words[d], loc.slots[d])
+                self._mark_empty(loc.slots[d])
+                slots_tab.release(loc.slots[d])
+                found[d] = False
+            new = np.flatnonzero(~found)
+            kept = loc.slots[found]
+            published = self._publish(words, rows, starts, new, kept)
+            if pin:
+                slots_tab.pin(np.concatenate((kept, published)))
+            slots_tab.touch(kept)
+            if self._lock is not None:
+                self._lock.heartbeat()
+
+    def _check_items(
+        self, items: Sequence[PutItem | tuple[ObjectKey, np.ndarray, int]]
+    ) -> tuple[list[ObjectKey], list[np.ndarray], list[int]]:
+        lay = self._layout
+        dt, row_shape, bs = lay.dtype, lay.row_shape, lay.block_size
+        keys: list[ObjectKey] = []
+        rows: list[np.ndarray] = []
+        starts: list[int] = []
+        for key, r, ts in items:
+            if (
+                type(r) is not np.ndarray
+                or r.dtype != dt
+                or r.shape[1:] != row_shape
+                or (not r.flags.c_contiguous)
+            ):
+                r = lay.check_rows(r, what=f"rows of key {bytes(key).hex()}")
+            n = r.shape[0]
+            if not 1 <= n <= bs or type(ts) is not int or ts < 0 or ts % bs:
+                raise SchemaError(
+                    f"object {bytes(key).hex()}: {n} rows at token {ts!r}; an object holds "
+                    f"1..{bs} rows of one KV block and starts at a multiple of {bs}"
+                )
+            if len(key) != KEY_NBYTES:
+                raise SchemaError(f"key must be {KEY_NBYTES} bytes")
+            keys.append(key)
+            rows.append(r)
+            starts.append(ts)
+        if len(set(keys)) != len(keys):
+            first: dict[bytes, int] = {}
+            unique = []
+            for i, k in enumerate(keys):
+                j = first.setdefault(k, i)
+                if j == i:
+                    unique.append(i)
+                elif starts[i] != starts[j] or not np.array_equal(rows[i], rows[j]):
+                    raise KeyCollisionError(
+                        f"R3 key {bytes(k).hex()} appears twice in one batch with different "
+                        "content; keys must identify content"
+                    )
+            keys = [keys[i] for i in unique]
+            rows = [rows[i] for i in unique]
+            starts = [starts[i] for i in unique]
+        return keys, rows, starts
+
+    def _same_content(self, loc: _Located, i: int, rows: np.ndarray, start: int) -> bool:
+        h = loc.headers[i]
+        if int(h["token_start"]) != start or int(h["n_tokens"]) != len(rows):
+            return False
+        g = self._live().geometry
+        off = int(loc.slots[i]) * g.slot_nbytes
+        stored = np.frombuffer(self._live().payload, dtype=np.uint8, count=rows.nbytes, offset=off)
+        return bool(np.array_equal(stored, rows.reshape(-1).view(np.uint8)))
+
+    def _object_intact(self, loc: _Located, i: int) -> bool:
+        g = self._live().geometry
+        off = int(loc.slots[i]) * g.slot_nbytes
+        nb = int(loc.headers["payload_nbytes"][i])
+        seed = checksum_seeds(loc.headers[i : i + 1])[0]
+        return checksum(self._live().payload[off : off + nb], seed) == int(
+            loc.headers["checksum"][i]
+        )
+
+    def _mark_empty(self, slots: np.ndarray) -> None:
+        """Retire objects: odd seq, clear the envelope, even seq (writer only)."""
+        arena = self._live()
+        seq = arena.seq
+        seq[slots] = seq[slots] | np.uint64(1)
+        cleared = arena.headers[slots]
+        for field in ("magic", "key0", "key1", "checksum", "n_tokens"):
+            cleared[field] = 0
+        cleared["seq"] = seq[slots]
+        arena.headers[slots] = cleared
+        seq[slots] = seq[slots] + np.uint64(1)
+
+    def _publish(
+        self,
+        words: np.ndarray,
+        rows: list[np.ndarray],
+        starts: list[int],
+        new: np.ndarray,
+        kept: np.ndarray,
+    ) -> np.ndarray:
+        """Write objects ``new`` (indices into the batch) by the seqlock protocol;
+        returns their slots."""
+        arena, slots_tab = self._writer()
+        k = len(new)
+        if k == 0:
+            return np.empty(0, dtype=np.int64)
+        got = slots_tab.allocate(k, kept)
+        if got is None:
+            raise CapacityError(
+                f"R3 store {self.root}/{self.name} cannot take {k} new blocks: its "
+                f"{arena.geometry.slot_count} slots hold {slots_tab.pinned} pinned blocks (the "
+                "KV cache can still hit them) and nothing else can be evicted. Increase "
+                "--artifact-capacity to at least the KV cache size in blocks."
+            )
+        slots, evicted = got
+        if evicted.any():
+            victims = slots[evicted]
+            old = arena.headers[victims]
+            self._index.remove(np.stack((old["key0"], old["key1"]), axis=1), victims)
+        seq = arena.seq
+        seq[slots] = seq[slots] + np.uint64(1)  # odd: being written
+        new_words = words[new]
+        n_tokens = np.array([len(rows[i]) for i in new.tolist()], dtype=np.uint32)
+        headers = np.zeros(k, dtype=HEADER_DTYPE)
+        fill_headers(
+            headers,
+            new_words,
+            np.array([starts[i] for i in new.tolist()], dtype=np.uint64),
+            n_tokens,
+            self._layout,
+        )
+        headers["seq"] = seq[slots]
+        seeds = checksum_seeds(headers)
+        payload = arena.payload
+        stride = arena.geometry.slot_nbytes
+        sums = []
+        for j, (i, s) in enumerate(zip(new.tolist(), slots.tolist(), strict=True)):
+            src = memoryview(rows[i]).cast("B")
+            off = s * stride
+            payload[off : off + len(src)] = src
+            sums.append(checksum(src, seeds[j]))
+        headers["checksum"] = sums
+        arena.headers[slots] = headers
+        seq[slots] = seq[slots] + np.uint64(1)  # even: published
+        failed = self._index.insert(new_words, slots)
+        slots_tab.fill(slots)
+        if len(failed):
+            self._mark_empty(slots[failed])
+            slots_tab.release(slots[failed])
+            raise CapacityError(
+                f"R3 store {self.root}/{self.name}: the hash index has no room for "
+                f"{len(failed)} keys (both buckets full). Increase --artifact-capacity."
+            )
+        return slots
+
+    def pin(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        if not keys:
+            return []
+        with self._mutex:
+            _, slots_tab = self._writer()
+            loc = self._locate(keys_to_words(keys))
+            slots_tab.pin(loc.slots[loc.present])
+            return [bool(x) for x in loc.present.tolist()]
+
+    def unpin(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        if not keys:
+            return []
+        with self._mutex:
+            _, slots_tab = self._writer()
+            loc = self._locate(keys_to_words(keys))
+            result = np.zeros(len(keys), dtype=bool)
+            idx = np.flatnonzero(loc.present)
+            result[idx] = slots_tab.unpin(loc.slots[idx])
+            return [bool(x) for x in result.tolist()]
+
+
+# ---------------------------------------------------------------- read targets
+
+
+class _Dest:
+    """Where a read lands: decides destination offsets once envelopes are known."""
+
+    def prepare(self, headers: np.ndarray) -> tuple[memoryview, np.ndarray]:
+        raise NotImplementedError
+
+
+class _IntoDest(_Dest):
+    """``read_into``: objects must tile ``out`` from ``token_start`` without gaps."""
+
+    def __init__(
+        self, store: ShmStore, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int
+    ) -> None:
+        self._store, self._keys = store, keys
+        self._out = memoryview(out).cast("B") if out.size else memoryview(b"")
+        self._rows = len(out)
+        self._start = token_start
+        self._row_nbytes = store.layout.row_nbytes
+
+    def prepare(self, headers: np.ndarray) -> tuple[memoryview, np.ndarray]:
+        n_tokens = headers["n_tokens"].astype(np.int64)
+        offsets = np.concatenate(([0], np.cumsum(n_tokens)[:-1]))
+        wrong = headers["token_start"].astype(np.int64) != self._start + offsets
+        if wrong.any():
+            raise self._store._corrupt(
+                self._keys,
+                wrong,
+                "token range does not continue the previous object (wrong key order, or a "
+                "key of another request position)",
+            )
+        if int(n_tokens.sum()) != self._rows:
+            raise ObjectCorruptError(
+                f"R3 objects hold {int(n_tokens.sum())} tokens but {self._rows} rows were "
+                f"requested from store {self._store.root}/{self._store.name}; a tail object "
+                "with the wrong token count was given"
+            )
+        return self._out, offsets * self._row_nbytes
+
+
+class _FreshDest(_Dest):
+    """``get``: one new buffer, split into one array per object afterwards."""
+
+    def __init__(self, layout: R3Layout) -> None:
+        self._layout = layout
+        self._buf: np.ndarray | None = None
+        self._counts: list[int] = []
+
+    def prepare(self, headers: np.ndarray) -> tuple[memoryview, np.ndarray]:
+        n_tokens = headers["n_tokens"].astype(np.int64)
+        self._counts = n_tokens.tolist()
+        self._buf = self._layout.empty(int(n_tokens.sum()))
+        offsets = np.concatenate(([0], np.cumsum(n_tokens)[:-1]))
+        return memoryview(self._buf).cast("B"), offsets * self._layout.row_nbytes
+
+    def arrays(self) -> list[np.ndarray]:
+        assert self._buf is not None
+        bounds = np.cumsum(self._counts)[:-1]
+        return list(np.split(self._buf, bounds))
+
+
+def _verify(
+    out: memoryview, dst: np.ndarray, nbytes: np.ndarray, headers: np.ndarray
+) -> np.ndarray:
+    """Checksum every object on the bytes actually copied; True where it fails."""
+    seeds = checksum_seeds(headers)
+    d, nb = dst.tolist(), nbytes.tolist()
+    got = [checksum(out[a : a + b], s) for a, b, s in zip(d, nb, seeds, strict=True)]
+    return np.array(got, dtype=np.uint64) != headers["checksum"]
+
+
+def _recover(arena: Arena) -> tuple[int, int, int]:
+    """Drop half-written and invalid slots and rebuild the index (writer, at open).
+
+    Returns ``(objects, dropped_partial, dropped_invalid)``.
+    """
+    h = arena.headers
+    layout = arena.geometry.layout
+    seq = arena.seq
+    odd = (seq & np.uint64(1)) == 1
+    present = h["magic"] != 0
+    valid = present & ~odd & (seq > 0) & ~header_problems(h, layout)
+    idx = np.flatnonzero(valid)
+    words = np.stack((h["key0"][idx], h["key1"][idx]), axis=1)
+    dup = np.zeros(len(idx), dtype=bool)
+    if len(idx):
+        _, first = np.unique(words.view([("a", "<u8"), ("b", "<u8")]).ravel(), return_index=True)
+        dup[:] = True
+        dup[first] = False
+    table = np.zeros_like(arena.index_table)
+    keep = idx[~dup]
+    failed = HashIndex(table).insert(words[~dup], keep)
+    clear = odd | (present & ~valid)
+    clear[idx[dup]] = True
+    clear[keep[failed]] = True
+    to_clear = np.flatnonzero(clear)
+    if len(to_clear):
+        seq[to_clear] = seq[to_clear] | np.uint64(1)
+        cleared = h[to_clear]
+        for field in ("magic", "key0", "key1", "checksum", "n_tokens"):
+            cleared[field] = 0
+        cleared["seq"] = seq[to_clear]
+        h[to_clear] = cleared
+        seq[to_clear] = seq[to_clear] + np.uint64(1)
+    arena.index_table[...] = table
+    partial = int(np.count_nonzero(odd))
+    return len(keep) - len(failed), partial, len(to_clear) - partial

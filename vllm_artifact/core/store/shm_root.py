@@ -1,0 +1,197 @@
+"""The trusted store root under /dev/shm, and safe file opening inside it.
+
+Why so strict: /dev/shm is world-writable. Another local user could plant a
+symlink or a directory of their own where we expect ours, to read R3, feed us
+forged objects or make us write elsewhere. So the root must *really* be under
+/dev/shm (no symlink anywhere in the path), be owned by us with mode 0700, and
+every file below it is opened relative to a directory fd with ``O_NOFOLLOW``
+and checked with ``fstat`` (owner, type, mode 0600) after opening.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+from vllm_artifact.errors import ShmSpaceError, StoreNotFoundError, UnsafeRootError
+
+__all__ = [
+    "SHM_MOUNT",
+    "check_root",
+    "check_shm_space",
+    "check_store_name",
+    "default_root",
+    "open_file",
+    "open_root",
+    "open_store_dir",
+]
+
+SHM_MOUNT = "/dev/shm"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def default_root() -> str:
+    """``/dev/shm/vllm-artifact-<uid>``: one private root per user."""
+    return f"{SHM_MOUNT}/vllm-artifact-{os.geteuid()}"
+
+
+def check_store_name(name: str) -> str:
+    """A store name is one path component: ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise UnsafeRootError(
+            f"store name {name!r} is not allowed: use 1-64 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def _unsafe(root: str, why: str) -> UnsafeRootError:
+    return UnsafeRootError(
+        f"refusing store root {root!r}: {why}. Use a directory under {SHM_MOUNT} that you "
+        f"own with mode 0700 (default {default_root()}), or remove the offending path."
+    )
+
+
+def _lexical(root: str | os.PathLike[str]) -> str:
+    path = os.fspath(root)
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise _unsafe(str(path), "the root must be an absolute path")
+    norm = os.path.normpath(path)
+    if norm != path.rstrip("/") or "/../" in f"{path}/":
+        raise _unsafe(path, "the root must be a normalized path without '..'")
+    if not norm.startswith(SHM_MOUNT + "/"):
+        raise _unsafe(path, f"the root is not under {SHM_MOUNT}")
+    return norm
+
+
+def _check_dir_stat(root: str, st: os.stat_result, *, exact_mode: bool) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise _unsafe(root, "it is not a directory")
+    if st.st_uid != os.geteuid():
+        raise _unsafe(root, f"it is owned by uid {st.st_uid}, not by uid {os.geteuid()}")
+    mode = stat.S_IMODE(st.st_mode)
+    if exact_mode and mode != 0o700:
+        raise _unsafe(root, f"its mode is {mode:04o}, not 0700 (chmod 700 it)")
+    if not exact_mode and mode & 0o022:
+        raise _unsafe(root, f"an ancestor has mode {mode:04o} (writable by others)")
+
+
+def open_root(root: str | os.PathLike[str], *, create: bool) -> int:
+    """Validate ``root`` and return an ``O_DIRECTORY`` fd for it.
+
+    Creates the last component (mode 0700) when ``create`` is set. Every
+    component between /dev/shm and the root must be a real directory owned by
+    us and not writable by others; the root itself must be mode 0700.
+    """
+    norm = _lexical(root)
+    if os.path.realpath(SHM_MOUNT) != SHM_MOUNT:
+        raise _unsafe(norm, f"{SHM_MOUNT} itself is a symlink")
+    parts = norm[len(SHM_MOUNT) + 1 :].split("/")
+    fd = os.open(SHM_MOUNT, _DIR_FLAGS)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            created = False
+            if last and create:
+                try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                    created = True
+                except FileExistsError:
+                    pass
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                raise StoreNotFoundError(
+                    f"store root {norm!r} does not exist; start the engine (writer) first"
+                ) from None
+            except OSError as err:  # ELOOP (symlink) or ENOTDIR
+                raise _unsafe(norm, f"{part!r} is a symlink or not a directory ({err})") from None
+            os.close(fd)
+            fd = child
+            if created:
+                os.fchmod(fd, 0o700)
+            _check_dir_stat(norm, os.fstat(fd), exact_mode=last)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_root(root: str | os.PathLike[str], *, create: bool = True) -> str:
+    """Raise :class:`UnsafeRootError` unless ``root`` is a safe store root.
+
+    Returns the normalized root path.
+    """
+    os.close(open_root(root, create=create))
+    return _lexical(root)
+
+
+def open_store_dir(root_fd: int, name: str, *, create: bool, where: str) -> int:
+    """Open (maybe create) the store directory ``name`` under ``root_fd``."""
+    check_store_name(name)
+    created = False
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+            created = True
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except FileNotFoundError:
+        raise StoreNotFoundError(
+            f"no store {name!r} under {where!r}; is the engine running with R3 enabled, "
+            "and are root and store name the same as the engine's?"
+        ) from None
+    except OSError as err:
+        raise _unsafe(f"{where}/{name}", f"not a plain directory ({err})") from None
+    try:
+        if created:
+            os.fchmod(fd, 0o700)
+        _check_dir_stat(f"{where}/{name}", os.fstat(fd), exact_mode=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file(dir_fd: int, name: str, flags: int, *, where: str) -> int:
+    """Open a file below a checked directory: no symlinks, ours, mode 0600."""
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _unsafe(where, f"{name!r} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise _unsafe(where, f"{name!r} is owned by uid {st.st_uid}")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            if flags & os.O_CREAT and st.st_size == 0:
+                os.fchmod(fd, 0o600)  # just created under a restrictive umask
+            else:
+                raise _unsafe(where, f"{name!r} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_shm_space(
+    root: str | os.PathLike[str], needed_bytes: int, *, reclaimable_bytes: int = 0
+) -> None:
+    """Fail early, with the fix, when the /dev/shm mount cannot hold the store.
+
+    Containers often mount only 64 MiB at /dev/shm; a store that outgrows the
+    mount would die with SIGBUS mid-run instead of a clear startup error.
+    """
+    path = _lexical(root)
+    probe = path if os.path.exists(path) else SHM_MOUNT
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize + reclaimable_bytes
+    if free < needed_bytes:
+        raise ShmSpaceError(
+            f"{SHM_MOUNT} has {free / 2**20:.0f} MiB free but the R3 store needs "
+            f"{needed_bytes / 2**20:.0f} MiB. Give the container more shared memory "
+            "(docker --shm-size=<size> or --ipc=host), or set a smaller --artifact-capacity."
+        )

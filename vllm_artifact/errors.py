@@ -1,0 +1,163 @@
+"""Typed exceptions of the whole product, in one place.
+
+Every exception carries a short machine-readable ``reason`` (the integration
+counts fail-closed requests by it and maps it to vLLM's ``RequestError``) and a
+message that says what to do about it. ``retryable`` tells the integration
+whether repeating the same request can succeed without operator action.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArtifactError",
+    "BufferCapacityError",
+    "CapacityError",
+    "CoverageError",
+    "KeyCollisionError",
+    "ObjectCorruptError",
+    "ObjectMissingError",
+    "RowBufferError",
+    "RowGapError",
+    "SchemaError",
+    "ShmSpaceError",
+    "StoreClosedError",
+    "StoreError",
+    "StoreFormatError",
+    "StoreNotFoundError",
+    "StoreReadOnlyError",
+    "UnknownRequestError",
+    "UnsafeRootError",
+    "WriterConflictError",
+]
+
+
+class ArtifactError(Exception):
+    """Base class of every error raised on purpose by vllm-artifact."""
+
+    reason: str = "artifact"
+    retryable: bool = False
+
+
+class SchemaError(ArtifactError, ValueError):
+    """An R3 layout or an array does not follow the schema (dtype, shape, ids)."""
+
+    reason = "schema"
+
+
+class CoverageError(ArtifactError, ValueError):
+    """The keys planned for a request do not cover its rows exactly."""
+
+    reason = "coverage"
+
+
+# --------------------------------------------------------------------------- store
+
+
+class StoreError(ArtifactError):
+    """Base class of object-store failures."""
+
+    reason = "store"
+
+
+class ObjectMissingError(StoreError):
+    """A requested object is not in the store (evicted, never published)."""
+
+    reason = "missing"
+
+
+class ObjectCorruptError(StoreError):
+    """An object failed envelope or checksum validation on read."""
+
+    reason = "corrupt"
+
+
+class KeyCollisionError(StoreError):
+    """The same key was published twice with different content."""
+
+    reason = "collision"
+
+
+class CapacityError(StoreError):
+    """The store cannot make room: pinned objects alone fill it."""
+
+    reason = "capacity"
+
+
+class ShmSpaceError(StoreError):
+    """/dev/shm cannot hold the configured store capacity."""
+
+    reason = "shm_space"
+
+
+class StoreClosedError(StoreError):
+    """The store handle was closed."""
+
+    reason = "closed"
+
+
+class StoreReadOnlyError(StoreError):
+    """A mutating call was made on a read-only store handle."""
+
+    reason = "read_only"
+
+
+class StoreNotFoundError(StoreError):
+    """No store with that name exists under the root."""
+
+    reason = "store_missing"
+
+
+class StoreFormatError(StoreError):
+    """A store file exists but is not a valid store of the expected format."""
+
+    reason = "store_format"
+
+
+class UnsafeRootError(StoreError):
+    """The store root is not a private directory under /dev/shm."""
+
+    reason = "unsafe_root"
+
+
+class WriterConflictError(StoreError):
+    """Another live process already owns the store as its writer."""
+
+    reason = "writer_conflict"
+    retryable = True
+
+
+# ------------------------------------------------------------------------- buffer
+
+
+class RowBufferError(ArtifactError):
+    """Base class of logical request-buffer failures."""
+
+    reason = "buffer"
+
+
+class RowGapError(RowBufferError):
+    """Rows were appended after a gap, or a block lacks its first rows."""
+
+    reason = "gap"
+
+
+class BufferCapacityError(RowBufferError):
+    """The request buffer would exceed its memory bound."""
+
+    reason = "buffer_capacity"
+    retryable = True
+
+
+class UnknownRequestError(RowBufferError, KeyError):
+    """The buffer holds no rows for that request id."""
+
+    reason = "unknown_request"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class ArtifactConfigError(ArtifactError, ValueError):
+    """An invalid or unsupported configuration, detected at startup (before engines start)."""
+
+    reason = "config"

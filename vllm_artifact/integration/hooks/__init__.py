@@ -1,0 +1,46 @@
+"""Every hook vllm-artifact installs into vLLM, in one place.
+
+Each hook lives in its own module, replaces as little as possible, and asserts at import time
+that the vLLM name it wraps still exists (so a vLLM upgrade fails loudly at startup instead of
+silently skipping the hook). All hooks are applied by :func:`apply_all`, which the
+``vllm.general_plugins`` entry point calls in every vLLM process (engine processes are spawned,
+so a patch made only in the parent would be lost). ``docs/vllm-hooks.md`` has the same table.
+
+engine_args (``vllm.engine.arg_utils.EngineArgs``; checked against vLLM 0.32.0)
+    Why: ``--enable-routed-experts`` and ``LLM(enable_routed_experts=...)`` are our spellings of
+    vLLM's ``enable_return_routed_experts``; startup checks must run before engine processes
+    start.
+    How: wraps ``add_cli_args`` (adds the flag), ``from_cli_args`` (maps it onto vLLM's flag),
+    ``__init__`` of ``EngineArgs``/``AsyncEngineArgs`` (accepts the keyword) and
+    ``create_engine_config`` (startup validation).
+    Future: a config-extension API upstream would make this unnecessary.
+
+early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
+    Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general
+    plugins, so the keyword would be rejected on the first call in a process.
+    How: vLLM calls platform plugins while resolving ``current_platform``, which
+    ``from vllm import LLM`` does before ``vllm.engine.arg_utils`` is imported; the hook (which
+    never claims a platform) arranges for :func:`apply_all` to run right after that module
+    loads. Not reached when ``VLLM_TARGET_DEVICE=cpu`` is set (vLLM then skips platform
+    plugins); ``import vllm_artifact.integration.plugin`` before ``LLM(...)`` covers that case.
+"""
+
+from __future__ import annotations
+
+_started = False
+
+
+def apply_all() -> bool:
+    """Install every hook once per process; returns True if this call installed them.
+
+    Re-entrant calls return at once: importing a hook module imports vLLM modules, which can
+    trigger the early-import hook (and so this function) before the first call has finished.
+    """
+    global _started
+    if _started:
+        return False
+    _started = True
+    from vllm_artifact.integration.hooks import engine_args
+
+    engine_args.install()
+    return True

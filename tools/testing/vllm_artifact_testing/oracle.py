@@ -60,6 +60,8 @@ class RouterOracle:
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
+# Hooks are registered on a shared cached model, so forward passes must not overlap.
+_FORWARD_LOCK = threading.Lock()
 
 
 def load_hf_model(model_dir: str | Path) -> Any:
@@ -99,18 +101,10 @@ def _router_of(layer: Any) -> Any | None:
     return getattr(mlp, "gate", None)
 
 
-def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOracle:
-    """Run ``token_ids`` (one sequence, positions 0..T-1) and return every layer's router top-k."""
-    ids = [int(t) for t in token_ids]
-    if not ids:
-        raise ValueError("token_ids is empty")
-    model = load_hf_model(model_dir)
-    config = model.config
-    num_experts = int(config.num_experts)
-    top_k = int(config.num_experts_per_tok)
-    layers = _decoder_layers(model)
-    num_layers, num_tokens = len(layers), len(ids)
-
+def _capture_router_logits(
+    model: Any, layers: Sequence[Any], ids: list[int]
+) -> dict[int, torch.Tensor]:
+    """One no-grad forward pass; returns {layer index: router logits [T, E]} for MoE layers."""
     captured: dict[int, torch.Tensor] = {}
     handles = []
     for idx, layer in enumerate(layers):
@@ -129,6 +123,25 @@ def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOra
     finally:
         for handle in handles:
             handle.remove()
+    return captured
+
+
+def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOracle:
+    """Run ``token_ids`` (one sequence, positions 0..T-1) and return every layer's router top-k."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("token_ids is empty")
+    model = load_hf_model(model_dir)
+    config = model.config
+    num_experts = int(config.num_experts)
+    top_k = int(config.num_experts_per_tok)
+    layers = _decoder_layers(model)
+    num_layers, num_tokens = len(layers), len(ids)
+
+    with _FORWARD_LOCK:
+        captured = _capture_router_logits(model, layers, ids)
+    if not captured:
+        raise RuntimeError(f"no router logits captured from {type(model).__name__}: no mlp.gate?")
 
     moe_layers = np.zeros(num_layers, dtype=bool)
     topk_ids = np.full((num_tokens, num_layers, top_k), DENSE_FILL, dtype=np.int64)

@@ -158,23 +158,71 @@ Umlaute und Akzente: Gruesse, Maedchen, cafe, naive, resume; UTF-8 bytes: \u00e9
 \u00e7 \u00df \u4f60\u597d \u4e16\u754c \u3053\u3093\u306b\u3061\u306f \U0001f600.
 """
 
-_SUBJECTS = (
-    "the model", "a router", "the engine", "our trainer", "each token", "the expert",
-    "a request", "the scheduler", "the cache", "this layer", "every worker", "the policy",
-)
-_VERBS = (
-    "reads", "writes", "selects", "returns", "stores", "checks", "routes", "samples",
-    "builds", "loads", "computes", "compares", "sends", "keeps", "drops", "counts",
-)
-_OBJECTS = (
-    "the logits", "two experts", "four experts", "a block of tokens", "the prefix",
-    "the weights", "a checksum", "the output", "the prompt", "a batch", "the gradients",
-    "the reward", "a sequence", "the hidden states", "one shard", "the attention",
-)
-_TAILS = (
-    ".", "!", "?", " again.", " quickly.", " on the CPU.", " in float32.", " per layer.",
-    " for every step.", " without a GPU.", " (twice).", " - then stops.",
-)
+# Word lists for generated sentences.
+_SUBJECTS = [
+    "the model",
+    "a router",
+    "the engine",
+    "our trainer",
+    "each token",
+    "the expert",
+    "a request",
+    "the scheduler",
+    "the cache",
+    "this layer",
+    "every worker",
+    "the policy",
+]
+_VERBS = [
+    "reads",
+    "writes",
+    "selects",
+    "returns",
+    "stores",
+    "checks",
+    "routes",
+    "samples",
+    "builds",
+    "loads",
+    "computes",
+    "compares",
+    "sends",
+    "keeps",
+    "drops",
+    "counts",
+]
+_OBJECTS = [
+    "the logits",
+    "two experts",
+    "four experts",
+    "a block of tokens",
+    "the prefix",
+    "the weights",
+    "a checksum",
+    "the output",
+    "the prompt",
+    "a batch",
+    "the gradients",
+    "the reward",
+    "a sequence",
+    "the hidden states",
+    "one shard",
+    "the attention",
+]
+_TAILS = [
+    ".",
+    "!",
+    "?",
+    " again.",
+    " quickly.",
+    " on the CPU.",
+    " in float32.",
+    " per layer.",
+    " for every step.",
+    " without a GPU.",
+    " (twice).",
+    " - then stops.",
+]
 
 
 def _lcg(seed: int) -> Iterator[int]:
@@ -279,7 +327,9 @@ def _config_dict(spec: TinyModelSpec, token_ids: dict[str, int]) -> dict[str, An
 def _weight_shapes(spec: TinyModelSpec) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of the checkpoint, in hub naming, in a fixed generation order."""
     h, d = spec.hidden_size, spec.head_dim
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (spec.vocab_size, h))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (spec.vocab_size, h)),
+    ]
     for i, is_moe in enumerate(spec.moe_layers):
         p = f"model.layers.{i}"
         shapes += [
@@ -350,7 +400,12 @@ def build_from_spec(spec: TinyModelSpec, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train_tokenizer(spec.vocab_size, spec.seed)
-    token_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    token_ids: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(tok)
+        if token_id is None:
+            raise RuntimeError(f"special token {tok} missing from the trained tokenizer")
+        token_ids[tok] = token_id
     tokenizer.save(str(out_dir / TOKENIZER_FILE), pretty=True)
     _write_json(
         out_dir / TOKENIZER_CONFIG_FILE,

@@ -41,7 +41,7 @@ class _ArgUtilsWatcher(importlib.abc.MetaPathFinder):
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is not None and spec.loader is not None:
-            spec.loader = _LoaderThatAppliesHooks(spec.loader)  # type: ignore[arg-type]
+            spec.loader = _LoaderThatAppliesHooks(spec.loader)
         return spec
 
 

@@ -77,8 +77,7 @@ def _create_engine_config(original: Any) -> Any:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         enabled = bool(
-            self.enable_return_routed_experts
-            or self.aux_output_config.enable_return_routed_experts
+            self.enable_return_routed_experts or self.aux_output_config.enable_return_routed_experts
         )
         validation.check_before_config(enabled=enabled)
         return original(self, *args, **kwargs)
@@ -88,9 +87,7 @@ def _create_engine_config(original: Any) -> Any:
 
 def _wrap(owner: type, name: str, make: Any) -> None:
     current = owner.__dict__[name]
-    if getattr(current, _MARK, False) or getattr(
-        getattr(current, "__func__", None), _MARK, False
-    ):
+    if getattr(current, _MARK, False) or getattr(getattr(current, "__func__", None), _MARK, False):
         return
     wrapped = make(current)
     target = getattr(wrapped, "__func__", wrapped)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# README command 1: set up if needed, build the tiny MoE model, serve it with routed experts on,
+# send one completion, print the decoded R3 array, stop the server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python scripts/demo.py "$@"

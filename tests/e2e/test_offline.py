@@ -1,0 +1,94 @@
+"""Offline ``LLM(..., enable_routed_experts=True).generate()`` on a real engine vs the oracle.
+
+The oracle is a Hugging Face transformers forward pass of the same weights (router top-k per
+token and layer); rows are compared as sets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm import SamplingParams
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+
+pytestmark = pytest.mark.engine
+
+# A chunk budget far below the long prompt's length forces chunked prefill.
+CHUNK_BUDGET = 64
+LONG_PROMPT = " ".join(
+    f"Expert {i} of the mixture handles token {i * 7 % 13} in layer {i % 4}." for i in range(40)
+)
+SHORT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Reinforcement learning replays the router.",
+    "Hello, world! How are you today?",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def executed_tokens(output: Any) -> list[int]:
+    """Tokens that went through a forward pass: the prompt and all generated but the last."""
+    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+
+
+def check_against_oracle(model: Path, output: Any) -> np.ndarray:
+    experts = output.outputs[0].routed_experts
+    assert isinstance(experts, np.ndarray)
+    tokens = executed_tokens(output)
+    assert experts.shape[0] == len(tokens)
+    assert_routing_matches(experts, hf_router_topk(model, tokens))
+    return experts
+
+
+@pytest.fixture(scope="module")
+def llm_a(model_a: Path, llm_factory: Any) -> Any:
+    return llm_factory(model_a, max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=8)
+
+
+def test_shape_and_dtype_uint8(llm_a: Any) -> None:
+    outputs = llm_a.generate(SHORT_PROMPTS, GREEDY)
+    for output in outputs:
+        experts = output.outputs[0].routed_experts
+        prompt_len = len(output.prompt_token_ids)
+        generated = len(output.outputs[0].token_ids)
+        assert generated == GREEDY.max_tokens
+        assert experts.shape == (prompt_len + generated - 1, 4, 2)
+        assert experts.dtype == np.uint8
+
+
+def test_batch_matches_oracle(llm_a: Any, model_a: Path) -> None:
+    for output in llm_a.generate(SHORT_PROMPTS, GREEDY):
+        check_against_oracle(model_a, output)
+
+
+def test_chunked_prefill_and_prefix_hit_match_oracle(llm_a: Any, model_a: Path) -> None:
+    first = llm_a.generate([LONG_PROMPT], GREEDY)[0]
+    prompt_len = len(first.prompt_token_ids)
+    assert prompt_len > 3 * CHUNK_BUDGET, "the prompt must span several prefill chunks"
+    first_rows = check_against_oracle(model_a, first)
+
+    again = llm_a.generate([LONG_PROMPT], GREEDY)[0]
+    # Block size 32: every full block of the prompt but the last is served from the KV cache.
+    assert again.num_cached_tokens is not None and again.num_cached_tokens >= 32
+    again_rows = check_against_oracle(model_a, again)
+    np.testing.assert_array_equal(again_rows, first_rows)
+
+
+def test_sampled_generation_matches_oracle(llm_a: Any, model_a: Path) -> None:
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9, seed=1)
+    for output in llm_a.generate(SHORT_PROMPTS, sampled):
+        check_against_oracle(model_a, output)
+
+
+def test_uint16_model_with_dense_layer(model_b: Path, llm_factory: Any) -> None:
+    llm_b = llm_factory(model_b, max_num_seqs=4)
+    outputs = llm_b.generate([*SHORT_PROMPTS, LONG_PROMPT], GREEDY)
+    for output in outputs:
+        experts = check_against_oracle(model_b, output)
+        assert experts.dtype == np.uint16
+        assert experts.shape[1:] == (4, 4)
+        assert not experts[:, 1, :].any(), "vLLM leaves the dense layer 1 all zeros"
+        assert experts[:, [0, 2, 3], :].max() > 255, "IDs above 255 need uint16"

@@ -1,0 +1,114 @@
+"""``vllm serve --enable-routed-experts`` over HTTP on 127.0.0.1, checked against the oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.server import RunningServer, vllm_server
+
+from vllm_artifact.client import decode_routed_experts
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def server_a(model_a: Path) -> Iterator[RunningServer]:
+    with vllm_server(
+        model_a, ["--enable-routed-experts", "--enable-prompt-tokens-details"]
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def server_b_old_flag(model_b: Path) -> Iterator[RunningServer]:
+    """The upstream spelling ``--enable-return-routed-experts`` keeps working."""
+    with vllm_server(model_b, ["--enable-return-routed-experts"]) as server:
+        yield server
+
+
+def post(server: RunningServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    reply = requests.post(server.base_url + path, json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+def check_choice(model: Path, prompt_ids: list[int], choice: dict[str, Any]) -> np.ndarray:
+    experts = decode_routed_experts(choice["routed_experts"])
+    executed = prompt_ids + choice["token_ids"][:-1]
+    assert experts.shape[0] == len(executed)
+    assert_routing_matches(experts, hf_router_topk(model, executed))
+    return experts
+
+
+def test_completions(server_a: RunningServer, model_a: Path) -> None:
+    body = {
+        "model": str(model_a),
+        "prompt": ["The router picks two experts.", "Hello, world! How are you today?"],
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    result = post(server_a, "/v1/completions", body)
+    assert len(result["choices"]) == 2
+    for choice in result["choices"]:
+        experts = check_choice(model_a, choice["prompt_token_ids"], choice)
+        assert experts.dtype == np.uint8
+        assert experts.shape == (len(choice["prompt_token_ids"]) + 10 - 1, 4, 2)
+
+
+def test_chat_completions(server_a: RunningServer, model_a: Path) -> None:
+    body = {
+        "model": str(model_a),
+        "messages": [{"role": "user", "content": "Which experts did you use?"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    result = post(server_a, "/v1/chat/completions", body)
+    choice = result["choices"][0]
+    check_choice(model_a, result["prompt_token_ids"], choice)
+
+
+def test_repeated_prompt_hits_prefix_cache(server_a: RunningServer, model_a: Path) -> None:
+    prompt = " ".join(f"Token {i} goes to expert {i % 8}." for i in range(30))
+    body = {
+        "model": str(model_a),
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    first = post(server_a, "/v1/completions", body)
+    second = post(server_a, "/v1/completions", body)
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached is not None and cached >= 32, second["usage"]
+    rows = [
+        check_choice(model_a, r["choices"][0]["prompt_token_ids"], r["choices"][0])
+        for r in (first, second)
+    ]
+    np.testing.assert_array_equal(rows[0], rows[1])
+
+
+def test_old_flag_uint16_model(server_b_old_flag: RunningServer, model_b: Path) -> None:
+    body = {
+        "model": str(model_b),
+        "prompt": "Three hundred experts need sixteen bits.",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    choice = post(server_b_old_flag, "/v1/completions", body)["choices"][0]
+    experts = check_choice(model_b, choice["prompt_token_ids"], choice)
+    assert experts.dtype == np.uint16
+    assert not experts[:, 1, :].any()

@@ -1,0 +1,107 @@
+"""Start and stop a real ``vllm serve`` process on 127.0.0.1 for tests and the demo."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from vllm_artifact_testing.engine_env import apply_cpu_engine_env, engine_cli_args
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def vllm_command() -> list[str]:
+    """The ``vllm`` console script of the running interpreter's environment."""
+    script = Path(sys.executable).with_name("vllm")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli"]
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model: str | Path,
+    extra_args: Sequence[str] = (),
+    *,
+    startup_timeout: float = 600.0,
+    log_dir: Path | None = None,
+) -> Iterator[RunningServer]:
+    """Run ``vllm serve MODEL`` with the CPU test settings until the block exits."""
+    port = free_port()
+    env = apply_cpu_engine_env(dict(os.environ))
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-serve-"))
+    log_path = log_dir / f"vllm-serve-{port}.log"
+    cmd = [
+        *vllm_command(),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *engine_cli_args(),
+        *extra_args,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        _wait_ready(server, startup_timeout)
+        yield server
+    finally:
+        _stop(process)
+
+
+def _wait_ready(server: RunningServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"vllm serve exited with code {server.process.returncode} before it was ready; "
+                f"log tail:\n{server.log_tail()}"
+            )
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise TimeoutError(
+        f"vllm serve not ready after {timeout:.0f} s; log tail:\n{server.log_tail()}"
+    )
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """SIGINT (vLLM's clean shutdown), then SIGKILL the whole process group if it lingers."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()

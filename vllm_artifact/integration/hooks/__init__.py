@@ -15,6 +15,16 @@ engine_args (``vllm.engine.arg_utils.EngineArgs``; checked against vLLM 0.32.0)
     ``create_engine_config`` (startup validation).
     Future: a config-extension API upstream would make this unnecessary.
 
+worker_factory (``vllm.v1.worker.gpu.model_runner.get_aux_output_connector``; vLLM 0.32.0)
+    Why: Model Runner V2 must build our worker connector (rank-zero store, fail-closed reads)
+    instead of vLLM's in-process one.
+    How: replaces that module global with a factory of the same signature.
+    Future: a connector registry upstream would replace this.
+
+weight_version (``vllm.v1.engine.core.EngineCore.set_weight_version``; vLLM 0.32.0)
+    Why: object keys must include the weight version, which vLLM keeps on the EngineCore only.
+    How: wraps the setter to also tell our scheduler connector.
+
 early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
     Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general
     plugins, so the keyword would be rejected on the first call in a process.
@@ -40,7 +50,9 @@ def apply_all() -> bool:
     if _started:
         return False
     _started = True
-    from vllm_artifact.integration.hooks import engine_args
+    from vllm_artifact.integration.hooks import engine_args, weight_version, worker_factory
 
     engine_args.install()
+    worker_factory.install()
+    weight_version.install()
     return True

@@ -1,9 +1,10 @@
-"""Hook: our options on vLLM's ``EngineArgs`` (CLI flag, LLM keyword, startup checks).
+"""Hook: our options on vLLM's ``EngineArgs`` (CLI flags, LLM keywords, startup checks).
 
 Replaces (wraps) ``EngineArgs.add_cli_args``, ``EngineArgs.from_cli_args``,
 ``EngineArgs.__init__``, ``AsyncEngineArgs.__init__`` and ``EngineArgs.create_engine_config``.
-Checked against vLLM 0.32.0. Every wrapper calls the original; with our options absent the
-arguments reach vLLM unchanged.
+Checked against vLLM 0.32.0. Every wrapper calls the original; with R3 off and our options
+absent the arguments reach vLLM unchanged. The logic lives in ``options.py`` (flags, keywords,
+``additional_config``) and ``validation.py`` (startup refusals, scheduler class).
 """
 
 from __future__ import annotations
@@ -22,9 +23,22 @@ for _name in _WRAPPED:
         f"vllm.engine.arg_utils.EngineArgs.{_name} is gone; vllm-artifact's engine_args hook "
         "was written for vLLM 0.32 and must be updated"
     )
-assert "enable_return_routed_experts" in arg_utils.EngineArgs.__dataclass_fields__, (
-    "EngineArgs.enable_return_routed_experts is gone; update vllm-artifact's engine_args hook"
+# EngineArgs fields our options and startup checks read or write.
+_FIELDS = (
+    "enable_return_routed_experts",
+    "aux_output_config",
+    "additional_config",
+    "scheduler_cls",
+    "pipeline_parallel_size",
+    "decode_context_parallel_size",
+    "prefill_context_parallel_size",
+    "kv_transfer_config",
+    "enable_prefix_caching",
 )
+for _field in _FIELDS:
+    assert _field in arg_utils.EngineArgs.__dataclass_fields__, (
+        f"EngineArgs.{_field} is gone; update vllm-artifact's engine_args hook"
+    )
 
 _MARK = "__vllm_artifact_wrapped__"
 
@@ -33,19 +47,7 @@ def _add_cli_args(original: Any) -> Any:
     @functools.wraps(original)
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = original(parser, *args, **kwargs)
-        group = parser.add_argument_group(
-            title="Artifact Connector (vllm-artifact)",
-            description="Routed-experts (R3) output for RL training of MoE models.",
-        )
-        group.add_argument(
-            options.ENABLE_FLAG,
-            dest=options.ENABLE_KWARG,
-            action="store_true",
-            default=False,
-            help="Return, on each finished completion, the top-k expert IDs the router chose "
-            "for every token and MoE layer (base64 .npy in HTTP responses, a numpy array "
-            "offline). Same as vLLM's --enable-return-routed-experts.",
-        )
+        options.add_cli_args(parser)
         return parser
 
     return add_cli_args
@@ -58,7 +60,12 @@ def _from_cli_args(original: Any) -> Any:
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
         if getattr(args, options.ENABLE_KWARG, False):
             setattr(args, options.VLLM_ENABLE_FIELD, True)
-        return func(cls, args)
+        engine_args = func(cls, args)
+        # vLLM passes only its own dataclass fields to __init__; add our flags afterwards.
+        store_options = options.from_namespace(args)
+        if store_options:
+            options.attach_store_options(engine_args, store_options)
+        return engine_args
 
     return classmethod(from_cli_args)
 
@@ -69,6 +76,8 @@ def _init(original: Any) -> Any:
         ours = options.pop_artifact_kwargs(kwargs)
         options.apply_to_engine_kwargs(kwargs, ours)
         original(self, *args, **kwargs)
+        # After vLLM's __post_init__: aux_output_config now says whether R3 is on.
+        options.attach_store_options(self, ours)
 
     return __init__
 
@@ -76,11 +85,19 @@ def _init(original: Any) -> Any:
 def _create_engine_config(original: Any) -> Any:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        enabled = bool(
-            self.enable_return_routed_experts or self.aux_output_config.enable_return_routed_experts
-        )
-        validation.check_before_config(enabled=enabled)
-        return original(self, *args, **kwargs)
+        if not self.aux_output_config.enable_return_routed_experts:
+            return original(self, *args, **kwargs)
+        validation.check_engine_args(self)
+        try:
+            vllm_config = original(self, *args, **kwargs)
+        except ValueError as err:
+            ours = validation.translate_upstream_error(err, self)
+            if ours is None:
+                raise
+            raise ours from err
+        validation.check_vllm_config(vllm_config)
+        validation.set_scheduler_cls(vllm_config)
+        return vllm_config
 
     return create_engine_config
 

@@ -1,0 +1,102 @@
+"""Background publication of R3 objects, off the step path of the writing worker.
+
+The worker hands full blocks to :class:`BackgroundPublisher` and continues; one thread writes
+them to the store in order. Readers in the same process call :meth:`flush` before reading keys
+that may still be queued (the read-after-write hazard of DESIGN.md section 5): it waits, with a
+bound, until everything submitted so far is durable. A failed publication never raises on the
+step path: it is logged and counted, and the affected keys simply stay absent, so a later hit on
+them fails closed as "missing" for that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+from vllm_artifact.core.store.contract import ObjectStore, PutItem
+from vllm_artifact.errors import ArtifactError, StoreError
+
+__all__ = ["BackgroundPublisher"]
+
+logger = logging.getLogger("vllm.artifact.publisher")
+
+
+class BackgroundPublisher:
+    """Single publishing thread in front of one writable store."""
+
+    def __init__(self, store: ObjectStore, *, max_pending_batches: int = 1024) -> None:
+        self._store = store
+        self._queue: queue.Queue[list[PutItem] | None] = queue.Queue(maxsize=max_pending_batches)
+        self._failures = 0
+        self._published_objects = 0
+        self._submitted = 0  # batches handed to submit()
+        self._finished = 0  # batches the thread is done with (published or failed)
+        self._progress = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name="vllm-artifact-publisher", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def failures(self) -> int:
+        """Batches whose publication failed (their objects are absent)."""
+        return self._failures
+
+    @property
+    def published_objects(self) -> int:
+        return self._published_objects
+
+    def submit(self, items: Sequence[PutItem]) -> None:
+        """Queue objects for publication (blocks only if the queue is full)."""
+        if self._closed:
+            raise StoreError("the R3 publisher is closed")
+        if items:
+            with self._progress:
+                self._submitted += 1
+            self._queue.put(list(items))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every object submitted so far was published (or failed)."""
+        with self._progress:
+            target = self._submitted
+            if not self._progress.wait_for(lambda: self._finished >= target, timeout):
+                raise StoreError(
+                    f"R3 publication did not finish within {timeout:.0f} s; the store may be "
+                    "stalled (check /dev/shm)"
+                )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            items = self._queue.get()
+            try:
+                if items is None:
+                    return
+                self._store.put(items, pin=False)
+                self._published_objects += len(items)
+            except ArtifactError as error:
+                self._failures += 1
+                logger.error(
+                    "vllm-artifact: publishing %d R3 objects failed (%s): %s; later prefix hits "
+                    "on them fail closed as missing",
+                    len(items),
+                    error.reason,
+                    error,
+                )
+            except Exception:
+                self._failures += 1
+                logger.exception("vllm-artifact: publishing %d R3 objects failed", len(items))
+            finally:
+                if items is not None:
+                    with self._progress:
+                        self._finished += 1
+                        self._progress.notify_all()

@@ -1,0 +1,78 @@
+"""vLLM schedulers that run the Artifact Connector's scheduler side.
+
+Selected through vLLM's own ``SchedulerConfig.scheduler_cls`` (set at startup when routed
+experts are on), so no vLLM code is patched for this: the classes subclass vLLM's
+``Scheduler`` / ``AsyncScheduler`` and change two things.
+
+* The connector is ours (:class:`ArtifactSchedulerConnector`).
+* A request whose R3 cannot be delivered completely is finished with
+  ``RequestStatus.FINISHED_ERROR`` (finish reason ``error``) *before* vLLM processes the step,
+  so it is never answered with partial R3; the engine keeps serving every other request. The
+  message travels in ``stop_reason``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
+
+from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector, failures_in
+
+logger = logging.getLogger("vllm.artifact.scheduler")
+
+
+class _ArtifactSchedulerMixin:
+    """Shared by the sync and async variants (the mixin must come first in the MRO)."""
+
+    aux_output_connector: Any
+    requests: dict[str, Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.aux_output_connector is not None:
+            self.aux_output_connector = ArtifactSchedulerConnector()
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        failures = failures_in(getattr(model_runner_output, "aux_output_connector_output", None))
+        failed = []
+        if failures:
+            failed = self.finish_requests(  # type: ignore[attr-defined]
+                list(failures), RequestStatus.FINISHED_ERROR
+            )
+        outputs: dict[int, EngineCoreOutputs] = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        for request in failed:
+            failure = failures[request.request_id]
+            engine_outputs = outputs.get(request.client_index)
+            if engine_outputs is None:
+                engine_outputs = outputs[request.client_index] = EngineCoreOutputs()
+            engine_outputs.outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=failure.message,
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
+            logger.warning(
+                "vllm-artifact: request %s finished with an error (%s); the engine goes on",
+                request.request_id,
+                failure.reason,
+            )
+        return outputs
+
+
+class ArtifactScheduler(_ArtifactSchedulerMixin, Scheduler):
+    """vLLM's synchronous scheduler with the Artifact Connector."""
+
+
+class ArtifactAsyncScheduler(_ArtifactSchedulerMixin, AsyncScheduler):
+    """vLLM's asynchronous scheduler with the Artifact Connector."""

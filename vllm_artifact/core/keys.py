@@ -165,6 +165,6 @@ def tail_block_key(namespace: Namespace, tail_hash: bytes, num_tokens: int) -> O
 
 def keys_to_words(keys: Sequence[bytes]) -> np.ndarray:
     """Keys as a ``[n, 2]`` little-endian uint64 array (for vectorized lookups)."""
-    if any(len(k) != KEY_NBYTES for k in keys):
+    if set(map(len, keys)) - {KEY_NBYTES}:
         raise SchemaError(f"every key must be {KEY_NBYTES} bytes")
     return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

@@ -14,13 +14,27 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from vllm_artifact.core.store.contract import ObjectStore, PutItem
+import numpy as np
+
+from vllm_artifact.core.keys import ObjectKey
+from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, StoreError
 
-__all__ = ["BackgroundPublisher"]
+__all__ = ["BackgroundPublisher", "BlockRun"]
 
 logger = logging.getLogger("vllm.artifact.publisher")
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Consecutive blocks of one request: ``rows[i*bs:(i+1)*bs]`` is the object of
+    ``keys[i]``; published with the store's batch fast path (``put_blocks``)."""
+
+    keys: Sequence[ObjectKey]
+    rows: np.ndarray
+    token_start: int
 
 
 class BackgroundPublisher:
@@ -28,7 +42,7 @@ class BackgroundPublisher:
 
     def __init__(self, store: ObjectStore, *, max_pending_batches: int = 1024) -> None:
         self._store = store
-        self._queue: queue.Queue[list[PutItem] | None] = queue.Queue(maxsize=max_pending_batches)
+        self._queue: queue.Queue[list[BlockRun] | None] = queue.Queue(maxsize=max_pending_batches)
         self._failures = 0
         self._published_objects = 0
         self._submitted = 0  # batches handed to submit()
@@ -49,14 +63,14 @@ class BackgroundPublisher:
     def published_objects(self) -> int:
         return self._published_objects
 
-    def submit(self, items: Sequence[PutItem]) -> None:
-        """Queue objects for publication (blocks only if the queue is full)."""
+    def submit(self, runs: Sequence[BlockRun]) -> None:
+        """Queue blocks for publication (blocks the caller only if the queue is full)."""
         if self._closed:
             raise StoreError("the R3 publisher is closed")
-        if items:
+        if runs:
             with self._progress:
                 self._submitted += 1
-            self._queue.put(list(items))
+            self._queue.put(list(runs))
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every object submitted so far was published (or failed)."""
@@ -77,26 +91,31 @@ class BackgroundPublisher:
 
     def _run(self) -> None:
         while True:
-            items = self._queue.get()
+            runs = self._queue.get()
+            if runs is None:
+                return
             try:
-                if items is None:
-                    return
-                self._store.put(items, pin=False)
-                self._published_objects += len(items)
-            except ArtifactError as error:
-                self._failures += 1
-                logger.error(
-                    "vllm-artifact: publishing %d R3 objects failed (%s): %s; later prefix hits "
-                    "on them fail closed as missing",
-                    len(items),
-                    error.reason,
-                    error,
-                )
-            except Exception:
-                self._failures += 1
-                logger.exception("vllm-artifact: publishing %d R3 objects failed", len(items))
+                self._publish(runs)
             finally:
-                if items is not None:
-                    with self._progress:
-                        self._finished += 1
-                        self._progress.notify_all()
+                with self._progress:
+                    self._finished += 1
+                    self._progress.notify_all()
+
+    def _publish(self, runs: list[BlockRun]) -> None:
+        objects = sum(len(run.keys) for run in runs)
+        try:
+            for run in runs:
+                self._store.put_blocks(run.keys, run.rows, run.token_start, pin=False)
+            self._published_objects += objects
+        except ArtifactError as error:
+            self._failures += 1
+            logger.error(
+                "vllm-artifact: publishing %d R3 objects failed (%s): %s; later prefix hits on "
+                "them fail closed as missing",
+                objects,
+                error.reason,
+                error,
+            )
+        except Exception:
+            self._failures += 1
+            logger.exception("vllm-artifact: publishing %d R3 objects failed", objects)

@@ -80,27 +80,27 @@ class R3Layout:
             raise SchemaError("R3Layout has no MoE layer: every layer is dense")
         object.__setattr__(self, "dense_layers", dense)
 
-    @property
+    @cached_property
     def dtype(self) -> np.dtype[np.unsignedinteger]:
         """``uint8`` for <= 256 experts, else ``uint16``."""
         return dtype_for_experts(self.num_experts)
 
-    @property
+    @cached_property
     def dtype_code(self) -> int:
         """Small integer naming the dtype in envelopes."""
         return DTYPE_CODES[self.dtype.name]
 
-    @property
+    @cached_property
     def row_shape(self) -> tuple[int, int]:
         """Shape of one token's row: ``(num_layers, top_k)``."""
         return (self.num_layers, self.top_k)
 
-    @property
+    @cached_property
     def row_nbytes(self) -> int:
         """Bytes of one token's row."""
         return self.num_layers * self.top_k * self.dtype.itemsize
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         """Bytes of one full block (the largest object)."""
         return self.block_size * self.row_nbytes

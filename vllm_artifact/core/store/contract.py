@@ -81,6 +81,23 @@ class ObjectStore(ABC):
         (:class:`KeyCollisionError` otherwise). With ``pin`` every item, new
         or existing, gains one pin reference."""
 
+    def put_blocks(
+        self, keys: Sequence[ObjectKey], rows: np.ndarray, token_start: int, *, pin: bool = True
+    ) -> None:
+        """Publish consecutive blocks of one rows array: ``rows[i*bs:(i+1)*bs]``
+        under ``keys[i]`` starting at ``token_start`` (the last may be shorter).
+
+        Same semantics as :meth:`put`; backends override it with a faster path.
+        """
+        bs = self.layout.block_size
+        self.put(
+            [
+                PutItem(key, rows[i * bs : (i + 1) * bs], token_start + i * bs)
+                for i, key in enumerate(keys)
+            ],
+            pin=pin,
+        )
+
     @abstractmethod
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is published (envelope checked, payload not hashed)."""

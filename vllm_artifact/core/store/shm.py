@@ -45,7 +45,7 @@ from vllm_artifact.core.envelope import (
     fill_headers,
     header_problems,
 )
-from vllm_artifact.core.keys import KEY_NBYTES, ObjectKey, keys_to_words
+from vllm_artifact.core.keys import ObjectKey, keys_to_words
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore, PutItem, StoreStats
 from vllm_artifact.core.store.shm_arena import (
@@ -111,6 +111,36 @@ class _Located:
     unstable: np.ndarray  # key found but the slot is being rewritten
 
 
+@dataclass
+class _Batch:
+    """A validated put batch: keys, payload bytes, token starts and counts."""
+
+    keys: list[ObjectKey]
+    srcs: list[memoryview]
+    starts: list[int]
+    n_tokens: list[int]
+    #: For ``put_blocks``: the one buffer all ``srcs`` are consecutive slices of.
+    whole: memoryview | None = None
+
+    def deduplicated(self) -> _Batch:
+        """Drop repeated keys; a repeat with other content is a collision."""
+        first: dict[bytes, int] = {}
+        out = _Batch([], [], [], [])
+        for i, k in enumerate(self.keys):
+            j = first.setdefault(k, i)
+            if j == i:
+                out.keys.append(k)
+                out.srcs.append(self.srcs[i])
+                out.starts.append(self.starts[i])
+                out.n_tokens.append(self.n_tokens[i])
+            elif self.starts[i] != self.starts[j] or bytes(self.srcs[i]) != bytes(self.srcs[j]):
+                raise KeyCollisionError(
+                    f"R3 key {bytes(k).hex()} appears twice in one batch with different "
+                    "content; keys must identify content"
+                )
+        return out
+
+
 class ShmStore(ObjectStore):
     """Object store backed by one mmap'd arena under /dev/shm (see module doc)."""
 
@@ -130,6 +160,7 @@ class ShmStore(ObjectStore):
         self._index = HashIndex(arena.index_table)
         self._lock = lock
         self._slots = SlotTable(arena.geometry.slot_count) if lock is not None else None
+        self._stride = arena.geometry.slot_nbytes
         self._mutex = threading.RLock()
         self.recovery = recovery
 
@@ -470,56 +501,99 @@ class ShmStore(ObjectStore):
         if not items:
             return
         with self._mutex:
-            _, slots_tab = self._writer()
-            keys, rows, starts = self._check_items(items)
-            words = keys_to_words(keys)
-            loc = self._locate(words)
-            found = loc.present | loc.corrupt
-            if loc.unstable.any():  # only the writer rewrites slots; this is leftover
-                found |= loc.unstable
-            existing = np.flatnonzero(found)
-            drop: list[int] = []
-            for i in existing.tolist():
-                if loc.present[i] and self._same_content(loc, i, rows[i], starts[i]):
-                    continue
-                if loc.present[i] and self._object_intact(loc, i):
-                    raise KeyCollisionError(
-                        f"R3 key {keys[i].hex()} is already published with different content "
-                        f"(tokens {int(loc.headers['token_start'][i])}+"
-                        f"{int(loc.headers['n_tokens'][i])}, now {starts[i]}+{len(rows[i])}). "
-                        "Keys must include everything that changes routing: check the weight "
-                        "version and the model namespace; the block hash must be the KV one."
-                    )
-                drop.append(i)  # a corrupt or half-written leftover: replace it
-            if drop:
-                d = np.array(drop, dtype=np.int64)
-                self._index.remove(words[d], loc.slots[d])
-                self._mark_empty(loc.slots[d])
-                slots_tab.release(loc.slots[d])
-                found[d] = False
-            new = np.flatnonzero(~found)
-            kept = loc.slots[found]
-            published = self._publish(words, rows, starts, new, kept)
-            if pin:
-                slots_tab.pin(np.concatenate((kept, published)))
-            slots_tab.touch(kept)
-            if self._lock is not None:
-                self._lock.heartbeat()
+            self._writer()
+            self._put_batch(self._check_items(items), pin)
 
-    def _check_items(
-        self, items: Sequence[PutItem | tuple[ObjectKey, np.ndarray, int]]
-    ) -> tuple[list[ObjectKey], list[np.ndarray], list[int]]:
+    def put_blocks(
+        self, keys: Sequence[ObjectKey], rows: np.ndarray, token_start: int, *, pin: bool = True
+    ) -> None:
+        """Fast path: publish consecutive blocks of one contiguous rows array.
+
+        ``rows[i*bs:(i+1)*bs]`` is the object of ``keys[i]``; the last object
+        may be shorter (a terminal tail). Validation and payload copies are
+        done once for the whole array instead of per object.
+        """
+        if not keys:
+            return
+        lay = self._layout
+        bs = lay.block_size
+        rows = lay.check_rows(rows)
+        n = len(keys)
+        if not (n - 1) * bs < len(rows) <= n * bs:
+            raise SchemaError(f"{len(rows)} rows do not fill {n} blocks of {bs} tokens")
+        if type(token_start) is not int or token_start < 0 or token_start % bs:
+            raise SchemaError(f"token_start={token_start!r} is not a block boundary ({bs})")
+        whole = rows.data.cast("B")
+        step = bs * lay.row_nbytes
+        total = len(whole)
+        srcs = [whole[o : min(o + step, total)] for o in range(0, total, step)]
+        n_tokens = [bs] * n
+        n_tokens[-1] = len(rows) - (n - 1) * bs
+        batch = _Batch(
+            list(keys), srcs, list(range(token_start, token_start + n * bs, bs)), n_tokens, whole
+        )
+        if len(set(batch.keys)) != n:
+            batch = batch.deduplicated()
+        with self._mutex:
+            self._writer()
+            self._put_batch(batch, pin)
+
+    def _put_batch(self, batch: _Batch, pin: bool) -> None:
+        arena, slots_tab = self._writer()
+        words = keys_to_words(batch.keys)
+        loc = self._locate(words)
+        found = loc.present | loc.corrupt | loc.unstable
+        same_range = (loc.headers["token_start"] == np.array(batch.starts, np.uint64)) & (
+            loc.headers["n_tokens"] == np.array(batch.n_tokens, np.uint32)
+        )
+        payload, stride = arena.payload, self._stride
+        present, same_range_l = loc.present.tolist(), same_range.tolist()
+        found_idx = np.flatnonzero(found)
+        seeds = checksum_seeds(loc.headers[found_idx]) if len(found_idx) else []
+        sums = loc.headers["checksum"][found_idx].tolist()
+        drop: list[int] = []
+        for j, i in enumerate(found_idx.tolist()):
+            src = batch.srcs[i]
+            off = int(loc.slots[i]) * stride
+            stored = payload[off : off + int(loc.headers["payload_nbytes"][i])]
+            if not (present[i] and checksum(stored, seeds[j]) == sums[j]):
+                drop.append(i)  # a corrupt or half-written leftover: replace it
+                continue
+            # bytes() copies 2 x 7 KiB but compares at memcmp speed (memoryview == is slow)
+            if same_range_l[i] and bytes(stored) == bytes(src):
+                continue  # identical republish
+            raise KeyCollisionError(
+                f"R3 key {batch.keys[i].hex()} is already published with different "
+                f"content (tokens {int(loc.headers['token_start'][i])}+"
+                f"{int(loc.headers['n_tokens'][i])}, now {batch.starts[i]}+"
+                f"{batch.n_tokens[i]}). Keys must include everything that changes "
+                "routing: check the weight version and the model namespace; the block "
+                "hash must be the KV cache's."
+            )
+        if drop:
+            d = np.array(drop, dtype=np.int64)
+            self._index.remove(words[d], loc.slots[d])
+            self._mark_empty(loc.slots[d])
+            slots_tab.release(loc.slots[d])
+            found[d] = False
+        kept = loc.slots[found]
+        published = self._publish(words, batch, np.flatnonzero(~found), kept)
+        if pin:
+            slots_tab.pin(np.concatenate((kept, published)))
+        slots_tab.touch(kept)
+        if self._lock is not None:
+            self._lock.heartbeat()
+
+    def _check_items(self, items: Sequence[PutItem | tuple[ObjectKey, np.ndarray, int]]) -> _Batch:
+        """Validate a put batch cheaply (no pass over the data) and dedupe its keys."""
         lay = self._layout
         dt, row_shape, bs = lay.dtype, lay.row_shape, lay.block_size
-        keys: list[ObjectKey] = []
-        rows: list[np.ndarray] = []
-        starts: list[int] = []
+        batch = _Batch([], [], [], [])
         for key, r, ts in items:
             if (
                 type(r) is not np.ndarray
-                or r.dtype != dt
-                or r.shape[1:] != row_shape
-                or (not r.flags.c_contiguous)
+                or (r.dtype is not dt and r.dtype != dt)
+                or (r.shape[1:] != row_shape)
             ):
                 r = lay.check_rows(r, what=f"rows of key {bytes(key).hex()}")
             n = r.shape[0]
@@ -528,45 +602,17 @@ class ShmStore(ObjectStore):
                     f"object {bytes(key).hex()}: {n} rows at token {ts!r}; an object holds "
                     f"1..{bs} rows of one KV block and starts at a multiple of {bs}"
                 )
-            if len(key) != KEY_NBYTES:
-                raise SchemaError(f"key must be {KEY_NBYTES} bytes")
-            keys.append(key)
-            rows.append(r)
-            starts.append(ts)
-        if len(set(keys)) != len(keys):
-            first: dict[bytes, int] = {}
-            unique = []
-            for i, k in enumerate(keys):
-                j = first.setdefault(k, i)
-                if j == i:
-                    unique.append(i)
-                elif starts[i] != starts[j] or not np.array_equal(rows[i], rows[j]):
-                    raise KeyCollisionError(
-                        f"R3 key {bytes(k).hex()} appears twice in one batch with different "
-                        "content; keys must identify content"
-                    )
-            keys = [keys[i] for i in unique]
-            rows = [rows[i] for i in unique]
-            starts = [starts[i] for i in unique]
-        return keys, rows, starts
-
-    def _same_content(self, loc: _Located, i: int, rows: np.ndarray, start: int) -> bool:
-        h = loc.headers[i]
-        if int(h["token_start"]) != start or int(h["n_tokens"]) != len(rows):
-            return False
-        g = self._live().geometry
-        off = int(loc.slots[i]) * g.slot_nbytes
-        stored = np.frombuffer(self._live().payload, dtype=np.uint8, count=rows.nbytes, offset=off)
-        return bool(np.array_equal(stored, rows.reshape(-1).view(np.uint8)))
-
-    def _object_intact(self, loc: _Located, i: int) -> bool:
-        g = self._live().geometry
-        off = int(loc.slots[i]) * g.slot_nbytes
-        nb = int(loc.headers["payload_nbytes"][i])
-        seed = checksum_seeds(loc.headers[i : i + 1])[0]
-        return checksum(self._live().payload[off : off + nb], seed) == int(
-            loc.headers["checksum"][i]
-        )
+            try:
+                src = r.data.cast("B")
+            except TypeError:  # not C-contiguous
+                src = np.ascontiguousarray(r).data.cast("B")
+            batch.keys.append(key)
+            batch.srcs.append(src)
+            batch.starts.append(ts)
+            batch.n_tokens.append(n)
+        if len(set(batch.keys)) != len(batch.keys):
+            batch = batch.deduplicated()
+        return batch
 
     def _mark_empty(self, slots: np.ndarray) -> None:
         """Retire objects: odd seq, clear the envelope, even seq (writer only)."""
@@ -581,15 +627,9 @@ class ShmStore(ObjectStore):
         seq[slots] = seq[slots] + np.uint64(1)
 
     def _publish(
-        self,
-        words: np.ndarray,
-        rows: list[np.ndarray],
-        starts: list[int],
-        new: np.ndarray,
-        kept: np.ndarray,
+        self, words: np.ndarray, batch: _Batch, new: np.ndarray, kept: np.ndarray
     ) -> np.ndarray:
-        """Write objects ``new`` (indices into the batch) by the seqlock protocol;
-        returns their slots."""
+        """Write batch objects ``new`` by the seqlock protocol; returns their slots."""
         arena, slots_tab = self._writer()
         k = len(new)
         if k == 0:
@@ -608,31 +648,26 @@ class ShmStore(ObjectStore):
             old = arena.headers[victims]
             self._index.remove(np.stack((old["key0"], old["key1"]), axis=1), victims)
         seq = arena.seq
-        seq[slots] = seq[slots] + np.uint64(1)  # odd: being written
+        seq[slots] = seq[slots] + np.uint64(1)  # 1. odd: being written
+        new_l = new.tolist()
         new_words = words[new]
-        n_tokens = np.array([len(rows[i]) for i in new.tolist()], dtype=np.uint32)
         headers = np.zeros(k, dtype=HEADER_DTYPE)
         fill_headers(
             headers,
             new_words,
-            np.array([starts[i] for i in new.tolist()], dtype=np.uint64),
-            n_tokens,
+            np.array([batch.starts[i] for i in new_l], dtype=np.uint64),
+            np.array([batch.n_tokens[i] for i in new_l], dtype=np.uint32),
             self._layout,
         )
         headers["seq"] = seq[slots]
         seeds = checksum_seeds(headers)
-        payload = arena.payload
-        stride = arena.geometry.slot_nbytes
-        sums = []
-        for j, (i, s) in enumerate(zip(new.tolist(), slots.tolist(), strict=True)):
-            src = memoryview(rows[i]).cast("B")
-            off = s * stride
-            payload[off : off + len(src)] = src
-            sums.append(checksum(src, seeds[j]))
+        srcs = batch.srcs
+        sums = [checksum(srcs[i], seed) for i, seed in zip(new_l, seeds, strict=True)]
+        self._write_payloads(batch, new, slots)  # 2. payload
         headers["checksum"] = sums
-        arena.headers[slots] = headers
-        seq[slots] = seq[slots] + np.uint64(1)  # even: published
-        failed = self._index.insert(new_words, slots)
+        arena.headers[slots] = headers  # 3. envelope (seq still odd)
+        seq[slots] = seq[slots] + np.uint64(1)  # 4. even: published
+        failed = self._index.insert(new_words, slots)  # 5. visible by key
         slots_tab.fill(slots)
         if len(failed):
             self._mark_empty(slots[failed])
@@ -642,6 +677,29 @@ class ShmStore(ObjectStore):
                 f"{len(failed)} keys (both buckets full). Increase --artifact-capacity."
             )
         return slots
+
+    def _write_payloads(self, batch: _Batch, new: np.ndarray, slots: np.ndarray) -> None:
+        """Copy payloads into their slots; runs that are consecutive on both
+        sides (``put_blocks`` into freshly swept slots) move as one range."""
+        payload, stride, srcs = self._live().payload, self._stride, batch.srcs
+        if batch.whole is None or len(new) < 2:
+            for i, s in zip(new.tolist(), slots.tolist(), strict=True):
+                src = srcs[i]
+                off = s * stride
+                payload[off : off + len(src)] = src
+            return
+        # In put_blocks every object but the last is one full stride long.
+        src = new.astype(np.int64) * stride
+        dst = slots.astype(np.int64) * stride
+        cont = (src[1:] == src[:-1] + stride) & (dst[1:] == dst[:-1] + stride)
+        breaks = (np.flatnonzero(~cont) + 1).tolist()
+        src_l, dst_l, new_l = src.tolist(), dst.tolist(), new.tolist()
+        whole = batch.whole
+        for lo, hi in zip([0, *breaks], [*breaks, len(new)], strict=True):
+            a = src_l[lo]
+            b = a + (hi - lo - 1) * stride + len(srcs[new_l[hi - 1]])
+            d = dst_l[lo]
+            payload[d : d + (b - a)] = whole[a:b]
 
     def pin(self, keys: Sequence[ObjectKey]) -> list[bool]:
         if not keys:
@@ -681,7 +739,7 @@ class _IntoDest(_Dest):
         self, store: ShmStore, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int
     ) -> None:
         self._store, self._keys = store, keys
-        self._out = memoryview(out).cast("B") if out.size else memoryview(b"")
+        self._out = out.data.cast("B") if out.size else memoryview(b"")
         self._rows = len(out)
         self._start = token_start
         self._row_nbytes = store.layout.row_nbytes
@@ -719,7 +777,7 @@ class _FreshDest(_Dest):
         self._counts = n_tokens.tolist()
         self._buf = self._layout.empty(int(n_tokens.sum()))
         offsets = np.concatenate(([0], np.cumsum(n_tokens)[:-1]))
-        return memoryview(self._buf).cast("B"), offsets * self._layout.row_nbytes
+        return self._buf.data.cast("B"), offsets * self._layout.row_nbytes
 
     def arrays(self) -> list[np.ndarray]:
         assert self._buf is not None
@@ -732,8 +790,8 @@ def _verify(
 ) -> np.ndarray:
     """Checksum every object on the bytes actually copied; True where it fails."""
     seeds = checksum_seeds(headers)
-    d, nb = dst.tolist(), nbytes.tolist()
-    got = [checksum(out[a : a + b], s) for a, b, s in zip(d, nb, seeds, strict=True)]
+    starts, ends = dst.tolist(), (dst + nbytes).tolist()
+    got = [checksum(out[a:e], s) for a, e, s in zip(starts, ends, seeds, strict=True)]
     return np.array(got, dtype=np.uint64) != headers["checksum"]
 
 

@@ -35,6 +35,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import xxhash
@@ -53,6 +54,9 @@ FORMAT_VERSION = 1
 _MAGIC = b"VARTSHM1"
 _PAGE = 4096
 _BITMAP_NBYTES = MAX_LAYERS // 8
+# Prefault the mapping once at open: otherwise the first publish or read of
+# every 4 KiB page pays a page fault (~5 ms per 14.5 MiB request).
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 SUPER_DTYPE = np.dtype(
     [
@@ -79,6 +83,8 @@ SUPER_DTYPE = np.dtype(
     ]
 )
 assert SUPER_DTYPE.itemsize <= _PAGE
+assert SUPER_DTYPE.fields is not None
+_CSUM_AT: int = SUPER_DTYPE.fields["checksum"][1]
 
 
 def _align(n: int) -> int:
@@ -96,7 +102,7 @@ class ArenaGeometry:
     def for_capacity(cls, layout: R3Layout, capacity_bytes: int) -> ArenaGeometry:
         """Largest arena whose file fits in ``capacity_bytes``."""
         per_slot = layout.block_nbytes + HEADER_NBYTES + 4 * 8  # payload, header, index
-        slots = max(0, (capacity_bytes - 4 * _PAGE) // per_slot)
+        slots = max(0, (capacity_bytes - _PAGE) // per_slot)
         while slots > 0 and cls(layout, slots).file_nbytes > capacity_bytes:
             slots -= 1
         if slots < 1:
@@ -106,27 +112,27 @@ class ArenaGeometry:
             )
         return cls(layout, slots)
 
-    @property
+    @cached_property
     def index_buckets(self) -> int:
         return index_buckets_for(self.slot_count)
 
-    @property
+    @cached_property
     def slot_nbytes(self) -> int:
         return self.layout.block_nbytes
 
-    @property
+    @cached_property
     def index_offset(self) -> int:
         return _PAGE
 
-    @property
+    @cached_property
     def headers_offset(self) -> int:
         return self.index_offset + _align(self.index_buckets * BUCKET_WAYS * 8)
 
-    @property
+    @cached_property
     def payload_offset(self) -> int:
         return self.headers_offset + _align(self.slot_count * HEADER_NBYTES)
 
-    @property
+    @cached_property
     def file_nbytes(self) -> int:
         return self.payload_offset + _align(self.slot_count * self.slot_nbytes)
 
@@ -194,7 +200,7 @@ def _superblock(geometry: ArenaGeometry, incarnation: int) -> bytes:
     dense[list(lay.dense_layers)] = True
     sb["dense_bitmap"][0] = np.packbits(dense, bitorder="little")
     raw = sb.tobytes()
-    csum = xxhash.xxh3_64_intdigest(raw[: SUPER_DTYPE.fields["checksum"][1]])
+    csum = xxhash.xxh3_64_intdigest(raw[:_CSUM_AT])
     sb["checksum"] = csum
     return sb.tobytes()
 
@@ -207,9 +213,8 @@ def _parse_superblock(raw: bytes, where: str) -> tuple[ArenaGeometry, int]:
     if len(raw) < SUPER_DTYPE.itemsize:
         raise bad
     sb = np.frombuffer(raw, dtype=SUPER_DTYPE, count=1)[0]
-    csum_at = SUPER_DTYPE.fields["checksum"][1]
     if bytes(sb["magic"]) != _MAGIC or int(sb["checksum"]) != xxhash.xxh3_64_intdigest(
-        raw[:csum_at]
+        raw[:_CSUM_AT]
     ):
         raise bad
     if int(sb["format_version"]) != FORMAT_VERSION or int(sb["header_nbytes"]) != HEADER_NBYTES:
@@ -259,7 +264,7 @@ def create_arena(dir_fd: int, geometry: ArenaGeometry, *, where: str) -> Arena:
                 ) from err
             raise
         os.pwrite(fd, _superblock(geometry, incarnation), 0)
-        mm = mmap.mmap(fd, geometry.file_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, geometry.file_nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         os.rename(tmp, ARENA_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         os.close(fd)
@@ -283,7 +288,7 @@ def open_arena(dir_fd: int, *, writable: bool, where: str) -> Arena:
                 f"{geometry.file_nbytes}; remove the store directory"
             )
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        mm = mmap.mmap(fd, size, _MAP_FLAGS, prot)
     finally:
         os.close(fd)
     return Arena(mm, geometry, writable=writable, incarnation=incarnation)

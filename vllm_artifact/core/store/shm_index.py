@@ -27,6 +27,7 @@ __all__ = ["BUCKET_WAYS", "HashIndex", "index_buckets_for"]
 BUCKET_WAYS = 8
 _LOW32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
+_CHUNK = 4096
 
 
 def index_buckets_for(slot_count: int) -> int:
@@ -62,9 +63,12 @@ class HashIndex:
         """``[n, 16]`` int64 slots whose entries carry the key's tag; -1 elsewhere."""
         b1, b2, tag = self._route(words)
         entries = np.concatenate((self.table[b1], self.table[b2]), axis=1)
-        hit = (entries != 0) & ((entries & ~_LOW32) == tag[:, None])
-        slots = (entries & _LOW32).astype(np.int64) - 1
-        return np.where(hit, slots, -1)
+        # An empty entry (0) decodes to slot -1, so it needs no separate test.
+        hit = (entries >> _S32) == (tag >> _S32)[:, None]
+        slots = (entries & _LOW32).astype(np.int64)
+        slots -= 1
+        slots[~hit] = -1
+        return slots
 
     def remove(self, words: np.ndarray, slots: np.ndarray) -> None:
         """Clear the entries mapping each key to exactly its slot (writer only)."""
@@ -82,8 +86,17 @@ class HashIndex:
 
         Vectorized two-choice placement: each round, every pending key picks
         its emptier bucket; keys that picked the same bucket take successive
-        free ways; keys that found no room retry in the next round.
+        free ways; keys that found no room retry in the next round. Large
+        batches (an index rebuild) go in chunks so that bucket loads stay
+        close to those of one-at-a-time two-choice insertion.
         """
+        failed = [
+            lo + self._insert_chunk(words[lo : lo + _CHUNK], slots[lo : lo + _CHUNK])
+            for lo in range(0, len(words), _CHUNK)
+        ]
+        return np.concatenate(failed) if failed else np.empty(0, dtype=np.int64)
+
+    def _insert_chunk(self, words: np.ndarray, slots: np.ndarray) -> np.ndarray:
         b1, b2, entry = self._route(words, slots)
         pending = np.arange(len(words))
         while len(pending):

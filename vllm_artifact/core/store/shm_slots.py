@@ -6,10 +6,11 @@ no per-object Python objects.
 
 Eviction is CLOCK (second chance), an LRU approximation that needs no list
 reordering on reads: a read or put sets the slot's reference bit; the hand
-sweeps slots in order, clearing reference bits, and takes free slots or
-unpinned, unreferenced ones. Sweeps are vectorized over windows, so
-allocating ``k`` slots costs O(k) amortized, not O(objects). Pinned slots (the
-KV cache can still hit them) are never taken; if two full sweeps do not find
+sweeps slots in order, clearing reference bits, and takes unpinned,
+unreferenced ones; free slots are always used before anything is evicted.
+Sweeps are vectorized over windows, so allocating ``k`` slots costs O(k)
+amortized, not O(objects). Pinned slots (the KV cache can still hit them) are
+never taken; if two full sweeps do not find
 ``k`` slots, pinned data alone fills the store and the caller raises
 :class:`CapacityError`. Allocation changes nothing until it succeeds.
 """
@@ -30,6 +31,7 @@ class SlotTable:
         self.pins = np.zeros(slot_count, dtype=np.int32)
         self.referenced = np.zeros(slot_count, dtype=bool)
         self.hand = 0
+        self.free_hand = 0
         self.evictions = 0
 
     @property
@@ -43,15 +45,52 @@ class SlotTable:
     def allocate(self, k: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Pick ``k`` slots; returns ``(slots, evicted_mask)`` or None if impossible.
 
-        ``protect`` lists slots that must not be taken (objects the current
-        batch re-publishes). Evicted slots are those in the result that held
-        an object; the caller must unindex them before reuse.
+        Free slots are used first (a fresh or recovered store never evicts
+        while it has room); then the CLOCK hand evicts. ``protect`` lists
+        slots that must not be evicted (objects the current batch
+        re-publishes). The caller must unindex evicted slots before reuse.
         """
         if k == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
         n = self.slot_count
-        if k > n:
-            return None
+        free_total = n - int(np.count_nonzero(self.occupied))
+        chosen: list[np.ndarray] = []
+        if free_total:
+            picks = self._sweep_free(min(k, free_total))
+            chosen.append(picks)
+        need = k - sum(len(c) for c in chosen)
+        if need:
+            victims = self._sweep_clock(need, protect)
+            if victims is None:
+                return None
+            chosen.append(victims)
+        slots = np.concatenate(chosen)
+        evicted = self.occupied[slots].copy()
+        self.evictions += int(np.count_nonzero(evicted))
+        return slots, evicted
+
+    def _sweep_free(self, k: int) -> np.ndarray:
+        """Next ``k`` unoccupied slots from the free cursor (they exist)."""
+        n = self.slot_count
+        found: list[np.ndarray] = []
+        got = 0
+        pos = self.free_hand
+        window = max(4 * k, 1024)
+        scanned = 0
+        while got < k and scanned < n + window:
+            hi = min(n, pos + window)
+            picks = pos + np.flatnonzero(~self.occupied[pos:hi])[: k - got]
+            found.append(picks)
+            got += len(picks)
+            stop = hi if got < k else int(picks[-1]) + 1
+            scanned += stop - pos
+            pos = stop % n
+        self.free_hand = pos
+        return np.concatenate(found)
+
+    def _sweep_clock(self, k: int, protect: np.ndarray) -> np.ndarray | None:
+        """CLOCK: take ``k`` occupied, unpinned, unreferenced slots (or None)."""
+        n = self.slot_count
         shield = np.zeros(n, dtype=bool) if len(protect) else None
         if shield is not None:
             shield[protect] = True
@@ -60,34 +99,30 @@ class SlotTable:
         hand = self.hand
         swept = 0
         window = max(4 * k, 1024)
-        refs = self.referenced.copy()
+        refs = self.referenced.copy()  # committed only on success
         while found < k and swept < 2 * n + window:
             lo = hand
             hi = min(n, lo + window)
-            idx = np.arange(lo, hi)
-            free = ~self.occupied[lo:hi]
-            evictable = self.occupied[lo:hi] & (self.pins[lo:hi] == 0) & ~refs[lo:hi]
-            ok = free | evictable
+            ok = self.occupied[lo:hi] & (self.pins[lo:hi] == 0) & ~refs[lo:hi]
             if shield is not None:
                 ok &= ~shield[lo:hi]
-            picks = idx[ok][: k - found]
+            picks = lo + np.flatnonzero(ok)[: k - found]
             if len(picks):
                 chosen.append(picks)
                 found += len(picks)
             stop = hi if found < k else int(picks[-1]) + 1
-            # Second chance: slots passed over lose their reference bit.
-            passed = idx[: stop - lo]
-            refs[passed] = False
+            refs[lo:stop] = False  # second chance: passed-over slots lose their bit
             swept += stop - lo
             hand = stop % n
+            if hand == 0 and found < k and chosen:
+                if shield is None:
+                    shield = np.zeros(n, dtype=bool)
+                shield[np.concatenate(chosen)] = True  # never pick a slot twice
         if found < k:
             return None
-        slots = np.concatenate(chosen)
         self.referenced = refs
         self.hand = hand
-        evicted = self.occupied[slots].copy()
-        self.evictions += int(np.count_nonzero(evicted))
-        return slots, evicted
+        return np.concatenate(chosen)
 
     def fill(self, slots: np.ndarray) -> None:
         """Mark freshly written slots as holding objects."""

@@ -1,0 +1,50 @@
+"""Fixtures for the pure-core tests: small layouts and private /dev/shm roots."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from vllm_artifact.core import Namespace, ObjectKey, R3Layout, full_block_key
+
+# Small geometry: 6 layers (layer 2 dense) x top-4, 16-token blocks = 384 B/block.
+SMALL = R3Layout(num_layers=6, top_k=4, num_experts=64, block_size=16, dense_layers=(2,))
+
+
+@pytest.fixture
+def layout() -> R3Layout:
+    return SMALL
+
+
+@pytest.fixture
+def namespace(layout: R3Layout) -> Namespace:
+    return Namespace("test-model", layout, "v1")
+
+
+@pytest.fixture
+def shm_root() -> Iterator[str]:
+    """A fresh private root under /dev/shm, removed afterwards."""
+    root = f"/dev/shm/vat-test-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(root, 0o700)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def rows_for(layout: R3Layout, seed: int, n_tokens: int | None = None) -> np.ndarray:
+    """Deterministic valid rows (dense layers zero) derived from ``seed``."""
+    n = layout.block_size if n_tokens is None else n_tokens
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, layout.num_experts, size=(n, *layout.row_shape)).astype(layout.dtype)
+    rows[:, list(layout.dense_layers), :] = 0
+    return rows
+
+
+def key_for(namespace: Namespace, i: int) -> ObjectKey:
+    return full_block_key(namespace, i.to_bytes(32, "little"))

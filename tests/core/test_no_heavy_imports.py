@@ -1,0 +1,21 @@
+"""The core must import neither vLLM nor torch (clients and tools use it alone)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+import vllm_artifact.core, vllm_artifact.core.store, vllm_artifact.errors
+import vllm_artifact.core.store.shm, vllm_artifact.core.coverage, vllm_artifact.core.buffer
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'vllm', 'torch', 'triton'})
+print(','.join(heavy))
+"""
+
+
+def test_core_imports_no_vllm_or_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""

@@ -1,0 +1,330 @@
+"""ShmStore in one process: round trips, collisions, pins, capacity, corruption,
+recovery, read-only and closed handles."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_artifact.core import Namespace, R3Layout
+from vllm_artifact.core.envelope import HEADER_NBYTES
+from vllm_artifact.core.store import ObjectStore, ShmStore, check_shm_space
+from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
+from vllm_artifact.errors import (
+    CapacityError,
+    KeyCollisionError,
+    ObjectCorruptError,
+    ObjectMissingError,
+    SchemaError,
+    ShmSpaceError,
+    StoreClosedError,
+    StoreFormatError,
+    StoreNotFoundError,
+    StoreReadOnlyError,
+)
+
+from .conftest import key_for, rows_for
+
+
+def open_writer(root: str, layout: R3Layout, slots: int = 64) -> ShmStore:
+    cap = ArenaGeometry(layout, slots).file_nbytes
+    return ShmStore.create_or_open_writer(root, "s", layout=layout, capacity_bytes=cap)
+
+
+def test_round_trip_get_exists_read_into(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        assert isinstance(store, ObjectStore)
+        keys = [key_for(namespace, i) for i in range(5)]
+        data = [rows_for(layout, i) for i in range(4)] + [rows_for(layout, 4, 3)]
+        store.put([(k, d, 16 * i) for i, (k, d) in enumerate(zip(keys, data, strict=True))])
+        assert store.exists([*keys, key_for(namespace, 99)]) == [True] * 5 + [False]
+        for got, want in zip(store.get(keys), data, strict=True):
+            np.testing.assert_array_equal(got, want)
+        out = layout.empty(67)
+        store.read_into(keys, out)
+        np.testing.assert_array_equal(out, np.concatenate(data))
+        part = layout.empty(32)
+        store.read_into(keys[2:4], part, token_start=32)
+        np.testing.assert_array_equal(part, np.concatenate(data[2:4]))
+        env = store.envelope_of(keys[4])
+        assert env is not None and int(env["n_tokens"]) == 3 and int(env["token_start"]) == 64
+        stats = store.stats()
+        assert (stats.objects, stats.pinned_objects, stats.writable) == (5, 5, True)
+
+
+def test_put_blocks_fast_path_with_tail(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        keys = [key_for(namespace, i) for i in range(4)]
+        data = np.concatenate([rows_for(layout, i) for i in range(3)] + [rows_for(layout, 9, 5)])
+        store.put_blocks(keys, data, 32)
+        out = layout.empty(len(data))
+        store.read_into(keys, out, token_start=32)
+        np.testing.assert_array_equal(out, data)
+        store.put_blocks(keys, data, 32)  # identical republish is accepted
+        with pytest.raises(SchemaError, match="fill"):
+            store.put_blocks(keys, data[:40], 32)
+        with pytest.raises(SchemaError, match="boundary"):
+            store.put_blocks(keys, data, 5)
+
+
+def test_uint16_layout_round_trip(shm_root: str, namespace: Namespace) -> None:
+    wide = R3Layout(num_layers=4, top_k=4, num_experts=300, block_size=32, dense_layers=(1,))
+    with open_writer(shm_root, wide) as store:
+        data = rows_for(wide, 1)
+        assert data.dtype == np.uint16 and int(data.max()) > 255
+        key = key_for(namespace, 1)
+        store.put([(key, data, 0)])
+        np.testing.assert_array_equal(store.get([key])[0], data)
+
+
+def test_identical_republish_ok_different_content_collides(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        key = key_for(namespace, 1)
+        data = rows_for(layout, 1)
+        store.put([(key, data, 16)])
+        store.put([(key, data.copy(), 16)])
+        other = data.copy()
+        other[3, 1, 0] ^= 1
+        with pytest.raises(KeyCollisionError, match="different content"):
+            store.put([(key, other, 16)])
+        with pytest.raises(KeyCollisionError):
+            store.put([(key, data, 32)])  # same rows, other token range
+        with pytest.raises(KeyCollisionError, match="twice in one batch"):
+            k2 = key_for(namespace, 2)
+            store.put([(k2, data, 0), (k2, other, 0)])
+        store.put([(key_for(namespace, 3), data, 0)] * 2)  # repeated identical: fine
+        np.testing.assert_array_equal(store.get([key])[0], data)
+        assert store.exists([key_for(namespace, 2)]) == [False]
+
+
+def test_put_validation(shm_root: str, layout: R3Layout, namespace: Namespace) -> None:
+    with open_writer(shm_root, layout) as store:
+        key = key_for(namespace, 1)
+        with pytest.raises(SchemaError):
+            store.put([(key, rows_for(layout, 1).astype(np.uint16), 0)])
+        with pytest.raises(SchemaError):
+            store.put([(key, layout.empty(17), 0)])
+        with pytest.raises(SchemaError):
+            store.put([(key, layout.empty(0), 0)])
+        with pytest.raises(SchemaError):
+            store.put([(key, layout.empty(4), 3)])
+        with pytest.raises(SchemaError):
+            store.read_into([key], np.empty((16, 6, 4), dtype=np.uint16))
+        assert store.stats().objects == 0
+
+
+def test_eviction_skips_pinned_and_capacity_error(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    with open_writer(shm_root, layout, slots=8) as store:
+        n = store.geometry.slot_count
+        assert n >= 8
+        pinned = [key_for(namespace, i) for i in range(n - 2)]
+        store.put([(k, rows_for(layout, i), 0) for i, k in enumerate(pinned)], pin=True)
+        for i in range(100, 140):  # far more unpinned objects than free slots
+            store.put([(key_for(namespace, i), rows_for(layout, i), 0)], pin=False)
+        assert store.exists(pinned) == [True] * len(pinned)
+        assert store.stats().evictions == 38  # 40 puts into 2 unpinned slots
+        assert store.exists([key_for(namespace, 139)]) == [True]
+        with pytest.raises(ObjectMissingError, match="Increase --artifact-capacity"):
+            store.get([key_for(namespace, 100)])
+        # Three new blocks cannot fit beside the pinned ones.
+        with pytest.raises(CapacityError, match="pinned"):
+            store.put([(key_for(namespace, 200 + i), rows_for(layout, i), 0) for i in range(3)])
+        assert store.unpin(pinned[:2]) == [True, True]
+        assert store.unpin([pinned[0], key_for(namespace, 999)]) == [False, False]
+        store.put([(key_for(namespace, 200 + i), rows_for(layout, i), 0) for i in range(3)])
+        assert store.exists(pinned[2:]) == [True] * (n - 4)
+        assert store.pin([pinned[2], key_for(namespace, 998)]) == [True, False]
+        assert store.stats().pinned_objects == n - 4 + 3
+
+
+def test_refcounted_pins(shm_root: str, layout: R3Layout, namespace: Namespace) -> None:
+    with open_writer(shm_root, layout, slots=2) as store:
+        n = store.geometry.slot_count
+
+        def churn(base: int) -> None:  # more unpinned puts than the store has slots
+            for i in range(base, base + 2 * n):
+                store.put([(key_for(namespace, i), rows_for(layout, i), 0)], pin=False)
+
+        a = key_for(namespace, 1)
+        store.put([(a, rows_for(layout, 1), 0)])
+        store.put([(a, rows_for(layout, 1), 0)])  # second reference
+        store.unpin([a])
+        churn(100)
+        assert store.exists([a]) == [True]  # still one pin
+        store.unpin([a])
+        churn(200)
+        assert store.exists([a]) == [False]
+
+
+def _flip(root: str, offset: int) -> None:
+    fd = os.open(f"{root}/s/{ARENA_NAME}", os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ 0x40]), offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("where", "error"),
+    [
+        ("payload", ObjectCorruptError),
+        ("token_start", ObjectCorruptError),
+        ("checksum", ObjectCorruptError),
+        ("n_tokens", ObjectCorruptError),
+        ("key", ObjectMissingError),
+    ],
+)
+def test_flipped_byte_is_detected(
+    shm_root: str, layout: R3Layout, namespace: Namespace, where: str, error: type[Exception]
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        keys = [key_for(namespace, i) for i in range(3)]
+        store.put([(k, rows_for(layout, i), 16 * i) for i, k in enumerate(keys)])
+        g = store.geometry
+        slot = 1  # keys[1] went to the second slot of an empty store
+        hdr = g.headers_offset + slot * HEADER_NBYTES
+        offsets = {
+            "payload": g.payload_offset + slot * g.slot_nbytes + 100,
+            "key": hdr + 8 + 3,
+            "token_start": hdr + 24 + 1,
+            "checksum": hdr + 32 + 5,
+            "n_tokens": hdr + 40,
+        }
+        reader = ShmStore.open_reader(shm_root, "s")
+        np.testing.assert_array_equal(reader.get([keys[1]])[0], rows_for(layout, 1))
+        _flip(shm_root, offsets[where])
+        for handle in (store, reader):
+            with pytest.raises(error):
+                handle.read_into(keys, layout.empty(48))
+            np.testing.assert_array_equal(handle.get([keys[2]])[0], rows_for(layout, 2))
+        reader.close()
+        if error is ObjectCorruptError:
+            # Republishing the block replaces a corrupt object.
+            store.put([(keys[1], rows_for(layout, 1), 16)])
+            np.testing.assert_array_equal(store.get([keys[1]])[0], rows_for(layout, 1))
+
+
+def test_reader_is_read_only_and_closed_handles_fail(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    store = open_writer(shm_root, layout)
+    key = key_for(namespace, 1)
+    store.put([(key, rows_for(layout, 1), 0)])
+    reader = ShmStore.open_reader(shm_root, "s")
+    assert reader.layout == layout and not reader.stats().writable
+    assert reader.stats().objects == 1
+    for call in (
+        lambda: reader.put([(key, rows_for(layout, 1), 0)]),
+        lambda: reader.pin([key]),
+        lambda: reader.unpin([key]),
+    ):
+        with pytest.raises(StoreReadOnlyError):
+            call()
+    store.close()
+    store.close()  # idempotent
+    np.testing.assert_array_equal(reader.get([key])[0], rows_for(layout, 1))  # outlives writer
+    with pytest.raises(StoreClosedError):
+        store.get([key])
+    reader.close()
+    with pytest.raises(StoreClosedError):
+        reader.exists([key])
+    with pytest.raises(StoreNotFoundError):
+        ShmStore.open_reader(shm_root, "nope")
+
+
+def test_reopen_recovers_objects_and_drops_half_written(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    store = open_writer(shm_root, layout)
+    keys = [key_for(namespace, i) for i in range(4)]
+    store.put([(k, rows_for(layout, i), 0) for i, k in enumerate(keys)])
+    # Simulate a writer killed mid-publish: slot 2 odd (being written), payload torn.
+    arena = store._live()
+    arena.seq[2] += 1
+    arena.payload[2 * layout.block_nbytes : 2 * layout.block_nbytes + 10] = b"\xff" * 10
+    reader = ShmStore.open_reader(shm_root, "s")
+    with pytest.raises(ObjectMissingError):
+        reader.get([keys[2]])
+    store._lock.release()  # type: ignore[union-attr]  # "crash": lock gone, no clean close
+    again = open_writer(shm_root, layout)
+    assert again.recovery is not None
+    assert (again.recovery.recreated, again.recovery.objects, again.recovery.dropped_partial) == (
+        False,
+        3,
+        1,
+    )
+    assert again.exists(keys) == [True, True, False, True]
+    again.put([(keys[2], rows_for(layout, 2), 0)])
+    np.testing.assert_array_equal(reader.get([keys[2]])[0], rows_for(layout, 2))
+    for i, got in enumerate(again.get(keys)):
+        np.testing.assert_array_equal(got, rows_for(layout, i))
+    reader.close()
+    again.close()
+    store.close()
+
+
+def test_reopen_with_other_geometry_recreates(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        store.put([(key_for(namespace, 1), rows_for(layout, 1), 0)])
+    with open_writer(shm_root, layout, slots=32) as store:
+        assert store.recovery is not None and store.recovery.recreated
+        assert store.exists([key_for(namespace, 1)]) == [False]
+    # A garbage arena is replaced by the writer and refused by readers.
+    with open(f"{shm_root}/s/{ARENA_NAME}", "r+b") as f:
+        f.write(b"garbage!")
+    with pytest.raises(StoreFormatError):
+        ShmStore.open_reader(shm_root, "s")
+    with open_writer(shm_root, layout, slots=32) as store:
+        assert store.recovery is not None and "unreadable" in store.recovery.reason
+
+
+def test_shm_space_check_names_the_fix(shm_root: str) -> None:
+    check_shm_space(shm_root, 1 << 20)
+    with pytest.raises(ShmSpaceError, match=r"--shm-size.*--ipc=host.*--artifact-capacity"):
+        check_shm_space(shm_root, 1 << 60)
+
+
+def test_capacity_must_hold_one_block(shm_root: str, layout: R3Layout) -> None:
+    with pytest.raises(SchemaError, match="artifact-capacity"):
+        ShmStore.create_or_open_writer(shm_root, "s", layout=layout, capacity_bytes=1000)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 30), st.integers(1, 16)),
+        min_size=1,
+        max_size=12,
+        unique_by=lambda t: t[0],
+    )
+)
+def test_property_round_trip(
+    shm_root: str, layout: R3Layout, namespace: Namespace, objs: list[tuple[int, int]]
+) -> None:
+    """Any set of objects (full or partial) reads back exactly, in any order."""
+    name = f"p{abs(hash(tuple(objs))) % 10**9}"
+    with ShmStore.create_or_open_writer(
+        shm_root, name, layout=layout, capacity_bytes=1 << 20
+    ) as store:
+        items = [(key_for(namespace, i), rows_for(layout, i, n), 16 * i) for i, n in objs]
+        store.put(items, pin=False)
+        got = store.get([k for k, _, _ in reversed(items)])
+        for (_, want, _), arr in zip(reversed(items), got, strict=True):
+            np.testing.assert_array_equal(arr, want)

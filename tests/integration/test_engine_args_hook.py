@@ -1,6 +1,7 @@
-"""Our options on vLLM's EngineArgs: CLI flag, LLM keyword, both spellings, startup checks.
+"""Our enable flag on vLLM's EngineArgs: CLI flag, LLM keyword, both spellings, hook basics.
 
-These use vLLM's real argument parser and EngineArgs (no engine is started).
+These use vLLM's real argument parser and EngineArgs (no engine is started). The store options
+and the startup refusals are tested in test_config.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from vllm_artifact.errors import ArtifactConfigError
 from vllm_artifact.integration.plugin import register
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def parser() -> FlexibleArgumentParser:
+    # Fresh per test: vLLM 0.32's parser shares one default AuxOutputConfig, which
+    # EngineArgs.__post_init__ mutates when routed experts are enabled (see test_config.py).
     register()
     return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
 

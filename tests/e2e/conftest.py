@@ -6,6 +6,7 @@ Engines are expensive (~25-40 s to start on 2 CPU cores), so each is shared by a
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from vllm_artifact_testing.engine_env import ENGINE_KWARGS, apply_cpu_engine_env
 from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
 apply_cpu_engine_env()
+# Tests read connector counters from the workers with collective_rpc(<function>), which vLLM
+# only pickles when this is set (loopback-only test engines).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 MODEL_A = "qwen3-moe-8x2"  # 8 experts, top-2, all layers MoE: uint8 rows
 MODEL_B = "qwen3-moe-300x4-dense1"  # 300 experts, top-4, layer 1 dense: uint16 rows
@@ -39,9 +43,17 @@ def start_llm(model: Path, **overrides: Any) -> Any:
 
 
 def shutdown_llm(llm: Any) -> None:
+    """Stop the engine's processes (idempotent)."""
+    if getattr(llm, "_test_shut_down", False):
+        return
+    llm._test_shut_down = True
     llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def shutdown_engine() -> Any:
+    return shutdown_llm
 
 
 @pytest.fixture(scope="module")

@@ -33,11 +33,10 @@ import numpy as np
 import torch
 
 from vllm_artifact.core.buffer import RequestRowBuffer
-from vllm_artifact.core.coverage import full_block_items
 from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys
-from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
 from vllm_artifact.core.schema import R3Layout
-from vllm_artifact.core.store import PutItem, ShmStore, check_shm_space
+from vllm_artifact.core.store import ShmStore, check_shm_space
 from vllm_artifact.errors import ArtifactError, WriterConflictError
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
@@ -221,7 +220,7 @@ class ArtifactWorkerConnector:
             for request_id, emit_start in step.requests.items():
                 if request_id not in self._tracks:
                     self._tracks[request_id] = _Track(emit_cursor=int(emit_start))
-            ready: list[PutItem] = []
+            ready: list[BlockRun] = []
             for request_id, packed in step.block_hashes.items():
                 track = self._tracks.get(request_id)
                 if track is None:
@@ -272,7 +271,7 @@ class ArtifactWorkerConnector:
         outputs: StepOutput = {}
         with self._lock:
             emit_later: list[tuple[str, _Track, int]] = []
-            ready: list[PutItem] = []
+            ready: list[BlockRun] = []
             for i, request_id in enumerate(pending.request_ids):
                 track = self._tracks[request_id]
                 track.in_flight -= 1
@@ -300,9 +299,10 @@ class ArtifactWorkerConnector:
                 except ArtifactError as error:
                     self._fail(request_id, track, error)
             for request_id in pending.request_ids:
-                track = self._tracks.get(request_id)
-                if track is None:
+                settled = self._tracks.get(request_id)
+                if settled is None:
                     continue
+                track = settled
                 if track.failure is not None and not track.failure_sent:
                     outputs[request_id] = track.failure
                     track.failure_sent = True
@@ -351,18 +351,23 @@ class ArtifactWorkerConnector:
             track.unkeyed[blocks.first_block + i] = blocks.block(i, self._layout.block_size)
         return token_end
 
-    def _keyed_blocks(self, track: _Track) -> list[PutItem]:
-        """Complete blocks whose KV block hash has arrived, as put items."""
+    def _keyed_blocks(self, track: _Track) -> list[BlockRun]:
+        """Complete blocks whose KV block hash has arrived, as runs of consecutive blocks."""
         ready = sorted(index for index in track.unkeyed if index < len(track.keys))
-        items = []
-        for index in ready:
-            rows = track.unkeyed.pop(index)
-            items += full_block_items([track.keys[index]], index, rows, self._layout.block_size)
-        return items
+        runs: list[BlockRun] = []
+        bs = self._layout.block_size
+        while ready:
+            first = end = ready.pop(0)
+            while ready and ready[0] == end + 1:
+                end = ready.pop(0)
+            blocks = [track.unkeyed.pop(index) for index in range(first, end + 1)]
+            rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+            runs.append(BlockRun(track.keys[first : end + 1], rows, first * bs))
+        return runs
 
-    def _submit(self, items: list[PutItem]) -> None:
-        if items and self._publisher is not None:
-            self._publisher.submit(items)
+    def _submit(self, runs: list[BlockRun]) -> None:
+        if runs and self._publisher is not None:
+            self._publisher.submit(runs)
 
     def _emit(self, track: _Track, token_end: int) -> AuxRequestOutput:
         """Rows ``[emit_cursor, token_end)``: store rows for a prefix hit, then captured rows."""
@@ -403,6 +408,12 @@ class ArtifactWorkerConnector:
         message = (
             f"R3 (routed experts) for request {request_id} is unavailable ({error.reason}): {error}"
         )
+        if error.reason == "missing" and self._namespace.weight_version != "default":
+            message += (
+                f" The weight version is now {self._namespace.weight_version!r}: tokens the KV "
+                "cache kept from older weights have no R3 under it; reset the prefix cache "
+                "after every weight update (POST /reset_prefix_cache, LLM.reset_prefix_cache())."
+            )
         logger.error("vllm-artifact: %s", message)
         track.failure = RequestFailure(error.reason, message)
         track.pending = []

@@ -1,0 +1,163 @@
+"""The Artifact Connector on a real engine: R3 of prefix hits comes from the /dev/shm store,
+and a missing or corrupt object fails only the affected request, closed.
+
+One engine (module fixture) on a private store root; the oracle is a transformers forward
+pass of the same weights.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm import SamplingParams
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+
+from vllm_artifact.core.envelope import HEADER_NBYTES
+from vllm_artifact.core.store import ShmStore
+
+pytestmark = pytest.mark.engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPT_ONE = " ".join(f"Block {i} of the first prompt goes to expert {i % 8}." for i in range(24))
+PROMPT_TWO = " ".join(f"Another text {i} that shares no prefix, layer {i % 4}." for i in range(24))
+
+
+def connector_stats(llm: Any) -> dict[str, int]:
+    """Read the rank-zero worker connector's counters through vLLM's RPC."""
+
+    def stats(worker: Any) -> dict[str, int]:
+        connector = worker.model_runner.aux_output_connector
+        if connector is None or connector.store is None:
+            return {}
+        store_stats = connector.store.stats()
+        return {"reads": connector.reads, "objects": store_stats.objects}
+
+    return next(s for s in llm.collective_rpc(stats) if s)
+
+
+def store_name(root: Path) -> str:
+    names = [p.name for p in root.iterdir() if p.name.startswith("r3-")]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def flip_in_every_slot(root: Path, *, where: str) -> None:
+    """Flip one byte of every slot's payload (corrupt) or key (object looks deleted)."""
+    name = store_name(root)
+    reader = ShmStore.open_reader(str(root), name)
+    geometry = reader.geometry
+    reader.close()
+    arena = next(p for p in (root / name).iterdir() if p.is_file() and p.stat().st_size > 4096)
+    with open(arena, "r+b") as f, mmap.mmap(f.fileno(), 0) as view:
+        data = np.frombuffer(view, dtype=np.uint8)
+        for slot in range(geometry.slot_count):
+            if where == "payload":
+                offset = geometry.payload_offset + slot * geometry.slot_nbytes + 3
+            else:
+                offset = geometry.headers_offset + slot * HEADER_NBYTES + 8 + 3
+            data[offset] ^= 0x40
+        del data
+
+
+def executed(output: Any) -> list[int]:
+    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+
+
+@pytest.fixture(scope="module")
+def store_root() -> Iterator[Path]:
+    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def llm(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
+    return llm_factory(model_a, artifact_root=str(store_root), max_num_seqs=4)
+
+
+def test_prefix_hit_is_served_from_the_store(llm: Any, model_a: Path) -> None:
+    first = llm.generate([PROMPT_ONE], GREEDY)[0]
+    assert_routing_matches(
+        first.outputs[0].routed_experts, hf_router_topk(model_a, executed(first))
+    )
+    before = connector_stats(llm)
+    assert before["objects"] >= len(first.prompt_token_ids) // 32
+
+    again = llm.generate([PROMPT_ONE], GREEDY)[0]
+    assert again.num_cached_tokens >= 32
+    after = connector_stats(llm)
+    assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
+    assert_routing_matches(
+        again.outputs[0].routed_experts, hf_router_topk(model_a, executed(again))
+    )
+    np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
+
+
+def test_corrupt_object_fails_that_request_only(llm: Any, model_a: Path, store_root: Path) -> None:
+    llm.generate([PROMPT_ONE], GREEDY)  # make sure its blocks are published
+    flip_in_every_slot(store_root, where="payload")
+    hit, fresh = llm.generate([PROMPT_ONE, PROMPT_TWO], GREEDY)
+    assert hit.outputs[0].finish_reason == "error"
+    assert "corrupt" in str(hit.outputs[0].stop_reason)
+    assert hit.outputs[0].routed_experts is None
+    # The other request of the same batch is untouched and the engine goes on.
+    assert fresh.outputs[0].finish_reason == "length"
+    assert_routing_matches(
+        fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed(fresh))
+    )
+
+
+def test_deleted_object_fails_closed_and_engine_keeps_serving(
+    llm: Any, model_a: Path, store_root: Path
+) -> None:
+    llm.generate([PROMPT_TWO], GREEDY)
+    flip_in_every_slot(store_root, where="key")
+    hit = llm.generate([PROMPT_TWO], GREEDY)[0]
+    assert hit.outputs[0].finish_reason == "error"
+    assert "missing" in str(hit.outputs[0].stop_reason)
+    later = llm.generate(["A short prompt after the failure."], GREEDY)[0]
+    assert later.outputs[0].finish_reason == "length"
+    assert_routing_matches(
+        later.outputs[0].routed_experts, hf_router_topk(model_a, executed(later))
+    )
+
+
+def test_weight_version_change_never_reuses_old_objects(llm: Any, model_a: Path) -> None:
+    prompt = " ".join(f"Weights version test sentence {i}." for i in range(30))
+    llm.generate([prompt], GREEDY)
+    llm.llm_engine.set_weight_version("v2")
+    try:
+        # The KV cache still holds the prompt (a hit), but its R3 was keyed under the old
+        # version: the request fails closed instead of returning the old weights' routing.
+        stale = llm.generate([prompt], GREEDY)[0]
+        assert stale.outputs[0].finish_reason == "error"
+        assert "missing" in str(stale.outputs[0].stop_reason)
+        assert "reset the prefix cache" in str(stale.outputs[0].stop_reason)
+        # After a prefix-cache reset (what RL loops do after a weight update) it recomputes.
+        assert llm.reset_prefix_cache()
+        fresh = llm.generate([prompt], GREEDY)[0]
+        assert fresh.outputs[0].finish_reason == "length"
+        assert_routing_matches(
+            fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed(fresh))
+        )
+    finally:
+        llm.llm_engine.set_weight_version("default")
+
+
+def test_second_engine_on_the_same_root_recovers_the_objects(
+    model_a: Path, store_root: Path, llm: Any, llm_factory: Any, shutdown_engine: Any
+) -> None:
+    objects = connector_stats(llm)["objects"]
+    assert objects > 0
+    shutdown_engine(llm)
+    assert os.path.isdir(store_root)
+    second = llm_factory(model_a, artifact_root=str(store_root), max_num_seqs=4)
+    assert connector_stats(second)["objects"] == objects

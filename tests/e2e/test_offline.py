@@ -92,3 +92,17 @@ def test_uint16_model_with_dense_layer(model_b: Path, llm_factory: Any) -> None:
         assert experts.shape[1:] == (4, 4)
         assert not experts[:, 1, :].any(), "vLLM leaves the dense layer 1 all zeros"
         assert experts[:, [0, 2, 3], :].max() > 255, "IDs above 255 need uint16"
+
+
+def test_stop_string_keeps_exact_executed_rows(llm_a: Any, model_a: Path) -> None:
+    """A stop string found in the frontend drops the tokens after it, and their rows."""
+    prompt = "Stop strings cut the text at an exact token boundary:"
+    unbounded = llm_a.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+    tokens = list(unbounded.outputs[0].token_ids)
+    stop = llm_a.get_tokenizer().decode(tokens[10:12])
+    assert stop and stop in unbounded.outputs[0].text
+    stopped = llm_a.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+    out = stopped.outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) < len(tokens)
+    experts = check_against_oracle(model_a, stopped)
+    np.testing.assert_array_equal(experts, unbounded.outputs[0].routed_experts[: experts.shape[0]])

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def server_a(model_a: Path) -> Iterator[RunningServer]:
-    with vllm_server(
-        model_a, ["--enable-routed-experts", "--enable-prompt-tokens-details"]
-    ) as server:
+    # --enable-scale-out serves the token-in/token-out endpoint (/inference/v1/generate).
+    args = ["--enable-routed-experts", "--enable-prompt-tokens-details", "--enable-scale-out"]
+    with vllm_server(model_a, args) as server:
         yield server
 
 
@@ -112,3 +112,51 @@ def test_old_flag_uint16_model(server_b_old_flag: RunningServer, model_b: Path) 
     experts = check_choice(model_b, choice["prompt_token_ids"], choice)
     assert experts.dtype == np.uint16
     assert not experts[:, 1, :].any()
+
+
+def test_token_in_token_out_generate(server_a: RunningServer, model_a: Path) -> None:
+    prompt_ids = [5, 17, 42, 99, 100, 101, 7, 8, 9, 250, 300, 12]
+    body = {
+        "model": str(model_a),
+        "token_ids": prompt_ids,
+        "sampling_params": {"max_tokens": 7, "temperature": 0, "ignore_eos": True},
+    }
+    choice = post(server_a, "/inference/v1/generate", body)["choices"][0]
+    experts = check_choice(model_a, prompt_ids, choice)
+    assert experts.shape == (len(prompt_ids) + 7 - 1, 4, 2)
+
+
+def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a: Path) -> None:
+    """Abort mid-generation (client disconnects), then the same prompt hits the cache and the
+    store: the blocks published before the abort serve the new request's prefix."""
+    prompt = " ".join(f"Abort test sentence number {i}." for i in range(30))
+    stream_body = {
+        "model": str(model_a),
+        "prompt": prompt,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with requests.post(
+        server_a.base_url + "/v1/completions", json=stream_body, stream=True, timeout=300
+    ) as reply:
+        assert reply.status_code == 200
+        chunks = 0
+        for line in reply.iter_lines():
+            chunks += bool(line)
+            if chunks >= 3:
+                break  # closing the connection aborts the request in vLLM
+    body = {
+        "model": str(model_a),
+        "prompt": prompt,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    result = post(server_a, "/v1/completions", body)
+    cached = (result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached is not None and cached >= 32, result["usage"]
+    choice = result["choices"][0]
+    check_choice(model_a, choice["prompt_token_ids"], choice)

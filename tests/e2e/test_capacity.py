@@ -1,0 +1,81 @@
+"""Capacity pressure on a real engine: a small store serving many times its capacity.
+
+The KV cache is shrunk to 64 blocks so that it, too, evicts; the store capacity is "auto"
+(sized from the KV cache). Repeated recent prompts hit the KV cache and must get their R3
+from the store; nothing fails and the store never grows past its capacity.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+
+pytestmark = pytest.mark.engine
+
+KV_BLOCKS = 64
+
+
+def connector_stats(llm: Any) -> dict[str, int]:
+    def stats(worker: Any) -> dict[str, int]:
+        connector = worker.model_runner.aux_output_connector
+        if connector is None or connector.store is None:
+            return {}
+        s = connector.store.stats()
+        return {
+            "reads": connector.reads,
+            "bytes_used": s.bytes_used,
+            "capacity_bytes": s.capacity_bytes,
+            "evictions": s.evictions,
+        }
+
+    return next(s for s in llm.collective_rpc(stats) if s)
+
+
+@pytest.fixture(scope="module")
+def store_root() -> Iterator[Path]:
+    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_serving_ten_times_the_capacity(model_a: Path, store_root: Path, llm_factory: Any) -> None:
+    llm = llm_factory(
+        model_a,
+        artifact_root=str(store_root),
+        num_gpu_blocks_override=KV_BLOCKS,
+        max_num_seqs=4,
+        max_model_len=1024,
+    )
+    capacity = connector_stats(llm)["capacity_bytes"]
+    row_nbytes = 4 * 2  # layers x top_k, uint8
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    served_tokens = 0
+    max_used = 0
+    history: list[str] = []
+    outputs = []
+    for i in range(400):
+        if served_tokens * row_nbytes >= 10 * capacity:
+            break
+        prompt = " ".join(f"Request {i} sentence {j} routes to {i * j % 8}." for j in range(12))
+        batch = [prompt, *history[-1:]]  # a new prompt plus a repeat of the previous one
+        history.append(prompt)
+        for output in llm.generate(batch, greedy):
+            assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
+            served_tokens += len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
+            outputs.append(output)
+        max_used = max(max_used, connector_stats(llm)["bytes_used"])
+    stats = connector_stats(llm)
+    assert served_tokens * row_nbytes >= 10 * capacity
+    assert max_used <= capacity
+    assert stats["evictions"] > 0
+    assert stats["reads"] > 0, "repeats must have been served from the store"
+    for output in outputs[-6:]:
+        tokens = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+        assert_routing_matches(output.outputs[0].routed_experts, hf_router_topk(model_a, tokens))

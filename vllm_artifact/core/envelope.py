@@ -35,6 +35,7 @@ __all__ = [
     "OBJECT_MAGIC",
     "SCHEMA_VERSION",
     "Envelope",
+    "HeaderWords",
     "checksum",
     "checksum_seeds",
     "fill_headers",
@@ -72,6 +73,8 @@ _P1 = 0x9E3779B97F4A7C15
 _P2 = 0xC2B2AE3D27D4EB4F
 _P3 = 0x165667B19E3779F9
 _P4 = 0xD6E8FEB86659FD93
+_LOW32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
 
 #: ``checksum(payload, seed) -> int``: xxh3_64 of the payload with an
 #: envelope-derived seed (the C function itself: it runs once per object in hot
@@ -100,6 +103,20 @@ def _meta_word(
     )
 
 
+def _mix(
+    key0: np.ndarray, key1: np.ndarray, token_start: np.ndarray, meta: np.ndarray
+) -> list[int]:
+    with np.errstate(over="ignore"):
+        mixed = (
+            key0
+            ^ (key1 * np.uint64(_P1))
+            ^ (token_start * np.uint64(_P2))
+            ^ (np.atleast_1d(meta) * np.uint64(_P3))
+        ) * np.uint64(_P4)
+    seeds: list[int] = np.atleast_1d(mixed).tolist()
+    return seeds
+
+
 def checksum_seeds(headers: np.ndarray) -> list[int]:
     """Seeds for a batch of headers (structured ``HEADER_DTYPE`` array)."""
     meta = _meta_word(
@@ -109,14 +126,7 @@ def checksum_seeds(headers: np.ndarray) -> list[int]:
         headers["top_k"],
         headers["n_tokens"],
     )
-    with np.errstate(over="ignore"):
-        mixed = (
-            headers["key0"]
-            ^ (headers["key1"] * np.uint64(_P1))
-            ^ (headers["token_start"] * np.uint64(_P2))
-            ^ (np.atleast_1d(meta) * np.uint64(_P3))
-        ) * np.uint64(_P4)
-    return [int(s) for s in np.atleast_1d(mixed).tolist()]
+    return _mix(headers["key0"], headers["key1"], headers["token_start"], meta)
 
 
 def header_problems(headers: np.ndarray, layout: R3Layout) -> np.ndarray:
@@ -137,6 +147,91 @@ def header_problems(headers: np.ndarray, layout: R3Layout) -> np.ndarray:
         | (headers["payload_nbytes"].astype(np.int64) != n_tokens * layout.row_nbytes)
         | (headers["token_start"] % np.uint64(layout.block_size) != 0)
     )
+
+
+class HeaderWords:
+    """Fast path over headers viewed as ``[n, 8]`` little-endian uint64 words.
+
+    Structured-array field access is strided and slow; a request's 2048
+    envelopes are checked, seeded and written as whole words instead. Word
+    ``i`` is bytes ``8i..8i+7`` of ``HEADER_DTYPE``: 0 seq, 1 key0, 2 key1,
+    3 token_start, 4 checksum, 5 ``n_tokens | magic << 32``, 6 the format word
+    (schema version, dtype code, flags, layers, top-k), 7 ``payload_nbytes |
+    reserved << 32``. Results equal :func:`checksum_seeds`,
+    :func:`header_problems` and :func:`fill_headers` (tested).
+    """
+
+    SEQ, KEY0, KEY1, START, CSUM, COUNT, FORMAT, NBYTES = range(8)
+
+    def __init__(self, layout: R3Layout) -> None:
+        self.layout = layout
+        # schema_version:u2 | dtype_code:u1 << 16 | flags:u1 << 24 | layers:u2 << 32 | top_k << 48
+        self.format_word = np.uint64(
+            SCHEMA_VERSION
+            | (layout.dtype_code << 16)
+            | (layout.num_layers << 32)
+            | (layout.top_k << 48)
+        )
+        self._format_mask = np.uint64(_M64 ^ (0xFF << 24))  # flags are not checked
+        self._meta = int(
+            _meta_word(SCHEMA_VERSION, layout.dtype_code, layout.num_layers, layout.top_k, 0)
+        )
+        self._magic = np.uint64(OBJECT_MAGIC)
+
+    @staticmethod
+    def of(headers: np.ndarray) -> np.ndarray:
+        """``[n, 8]`` uint64 view of a contiguous ``HEADER_DTYPE`` array (no copy)."""
+        return headers.view("<u8").reshape(len(headers), 8)
+
+    @staticmethod
+    def as_headers(words: np.ndarray) -> np.ndarray:
+        """``HEADER_DTYPE`` view of contiguous ``[n, 8]`` words (no copy)."""
+        return words.view(HEADER_DTYPE).reshape(len(words))
+
+    @staticmethod
+    def n_tokens(words: np.ndarray) -> np.ndarray:
+        return (words[:, 5] & _LOW32).astype(np.int64)
+
+    def problems(self, words: np.ndarray) -> np.ndarray:
+        """Same mask as :func:`header_problems`, on words."""
+        lay = self.layout
+        nt = words[:, 5] & _LOW32
+        return (
+            ((words[:, 5] >> _S32) != self._magic)
+            | ((words[:, 6] & self._format_mask) != self.format_word)
+            | (nt - np.uint64(1) >= np.uint64(lay.block_size))  # n < 1 wraps around
+            | ((words[:, 7] & _LOW32) != nt * np.uint64(lay.row_nbytes))
+            | (words[:, 3] % np.uint64(lay.block_size) != 0)
+        )
+
+    def seeds(self, words: np.ndarray) -> list[int]:
+        """Checksum seeds of headers that passed :meth:`problems` (format
+        fields are then those of the layout, only ``n_tokens`` varies)."""
+        meta = np.uint64(self._meta) | ((words[:, 5] & _LOW32) << np.uint64(48))
+        return _mix(words[:, 1], words[:, 2], words[:, 3], meta)
+
+    def seeds_for(
+        self, key_words: np.ndarray, token_starts: np.ndarray, n_tokens: np.ndarray
+    ) -> list[int]:
+        """Checksum seeds of new objects of this layout."""
+        meta = np.uint64(self._meta) | (n_tokens.astype(np.uint64) << np.uint64(48))
+        return _mix(key_words[:, 0], key_words[:, 1], token_starts.astype(np.uint64), meta)
+
+    def build(
+        self, key_words: np.ndarray, token_starts: np.ndarray, n_tokens: np.ndarray
+    ) -> np.ndarray:
+        """New ``[n, 8]`` header words: every field but ``seq`` and ``checksum``
+        (as :func:`fill_headers` writes them)."""
+        nt = n_tokens.astype(np.uint64)
+        w = np.empty((len(key_words), 8), dtype="<u8")
+        w[:, 0] = 0
+        w[:, 1:3] = key_words
+        w[:, 3] = token_starts
+        w[:, 4] = 0
+        w[:, 5] = nt | (self._magic << _S32)
+        w[:, 6] = self.format_word
+        w[:, 7] = nt * np.uint64(self.layout.row_nbytes)
+        return w
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.store.contract import ObjectStore
-from vllm_artifact.errors import ArtifactError, StoreError
+from vllm_artifact.errors import ArtifactError, KeyCollisionError, StoreError
 
 __all__ = ["BackgroundPublisher", "BlockRun"]
 
@@ -44,6 +44,7 @@ class BackgroundPublisher:
         self._store = store
         self._queue: queue.Queue[list[BlockRun] | None] = queue.Queue(maxsize=max_pending_batches)
         self._failures = 0
+        self._collisions = 0  # recomputed blocks whose rows differed from the stored object
         self._published_objects = 0
         self._submitted = 0  # batches handed to submit()
         self._finished = 0  # batches the thread is done with (published or failed)
@@ -58,6 +59,10 @@ class BackgroundPublisher:
     def failures(self) -> int:
         """Batches whose publication failed (their objects are absent)."""
         return self._failures
+
+    @property
+    def collisions(self) -> int:
+        return self._collisions
 
     @property
     def published_objects(self) -> int:
@@ -105,7 +110,10 @@ class BackgroundPublisher:
         objects = sum(len(run.keys) for run in runs)
         try:
             for run in runs:
-                self._store.put_blocks(run.keys, run.rows, run.token_start, pin=False)
+                try:
+                    self._store.put_blocks(run.keys, run.rows, run.token_start, pin=False)
+                except KeyCollisionError:
+                    self._publish_one_by_one(run)
             self._published_objects += objects
         except ArtifactError as error:
             self._failures += 1
@@ -119,3 +127,15 @@ class BackgroundPublisher:
         except Exception:
             self._failures += 1
             logger.exception("vllm-artifact: publishing %d R3 objects failed", objects)
+
+    def _publish_one_by_one(self, run: BlockRun) -> None:
+        """A block of the run collided (recomputed with different routing, e.g. GPU
+        nondeterminism): keep the first object, as immutability demands, publish the rest."""
+        bs = self._store.layout.block_size
+        for i, key in enumerate(run.keys):
+            rows = run.rows[i * bs : (i + 1) * bs]
+            try:
+                self._store.put([(key, rows, run.token_start + i * bs)], pin=False)
+            except KeyCollisionError as error:
+                self._collisions += 1
+                logger.warning("vllm-artifact: kept the first R3 object: %s", error)

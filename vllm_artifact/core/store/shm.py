@@ -33,18 +33,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_artifact.core.envelope import (
-    HEADER_DTYPE,
-    checksum,
-    checksum_seeds,
-    fill_headers,
-    header_problems,
-)
+from vllm_artifact.core.envelope import HeaderWords, checksum, header_problems
 from vllm_artifact.core.keys import ObjectKey, keys_to_words
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore, PutItem, StoreStats
@@ -105,40 +99,77 @@ class _Located:
 
     slots: np.ndarray  # int64, -1 where not found
     seq: np.ndarray  # seq read before the envelope copy
-    headers: np.ndarray  # envelope copies (HEADER_DTYPE)
+    words: np.ndarray  # envelope copies as [n, 8] uint64 words (HeaderWords)
     present: np.ndarray  # key found, published, envelope valid
     corrupt: np.ndarray  # key found and published, envelope fields invalid
     unstable: np.ndarray  # key found but the slot is being rewritten
 
+    @property
+    def headers(self) -> np.ndarray:
+        """The envelope copies as a ``HEADER_DTYPE`` array (a view)."""
+        return HeaderWords.as_headers(self.words)
 
-@dataclass
+
 class _Batch:
-    """A validated put batch: keys, payload bytes, token starts and counts."""
+    """A validated put batch: keys, payload bytes, token starts and counts.
 
-    keys: list[ObjectKey]
-    srcs: list[memoryview]
-    starts: list[int]
-    n_tokens: list[int]
-    #: For ``put_blocks``: the one buffer all ``srcs`` are consecutive slices of.
-    whole: memoryview | None = None
+    Either ``srcs`` lists one buffer per object (``put``), or ``whole`` holds
+    all payloads back to back, ``step`` bytes each but the last
+    (``put_blocks``): then no per-object view exists until one is needed.
+    """
+
+    def __init__(
+        self,
+        keys: list[ObjectKey],
+        starts: np.ndarray,
+        n_tokens: np.ndarray,
+        *,
+        srcs: list[memoryview] | None = None,
+        whole: memoryview | None = None,
+        step: int = 0,
+    ) -> None:
+        self.keys = keys
+        self.starts = starts  # uint64
+        self.n_tokens = n_tokens  # int64
+        self.srcs = srcs
+        self.whole = whole
+        self.step = step
+
+    def src(self, i: int) -> memoryview:
+        if self.srcs is not None:
+            return self.srcs[i]
+        assert self.whole is not None
+        a = i * self.step
+        return self.whole[a : min(a + self.step, len(self.whole))]
+
+    def src_views(self, idx: np.ndarray) -> Iterator[memoryview]:
+        """Payload views of objects ``idx`` (made at C speed for put_blocks)."""
+        if self.srcs is not None:
+            return map(self.srcs.__getitem__, idx.tolist())
+        assert self.whole is not None
+        a = idx.astype(np.int64) * self.step
+        e = np.minimum(a + self.step, len(self.whole))
+        return map(self.whole.__getitem__, map(slice, a.tolist(), e.tolist()))
 
     def deduplicated(self) -> _Batch:
         """Drop repeated keys; a repeat with other content is a collision."""
         first: dict[bytes, int] = {}
-        out = _Batch([], [], [], [])
+        keep: list[int] = []
         for i, k in enumerate(self.keys):
             j = first.setdefault(k, i)
             if j == i:
-                out.keys.append(k)
-                out.srcs.append(self.srcs[i])
-                out.starts.append(self.starts[i])
-                out.n_tokens.append(self.n_tokens[i])
-            elif self.starts[i] != self.starts[j] or bytes(self.srcs[i]) != bytes(self.srcs[j]):
+                keep.append(i)
+            elif self.starts[i] != self.starts[j] or bytes(self.src(i)) != bytes(self.src(j)):
                 raise KeyCollisionError(
                     f"R3 key {bytes(k).hex()} appears twice in one batch with different "
                     "content; keys must identify content"
                 )
-        return out
+        return _Batch(
+            [self.keys[i] for i in keep],
+            self.starts[keep],
+            self.n_tokens[keep],
+            srcs=[self.src(i) for i in keep],
+        )
 
 
 class ShmStore(ObjectStore):
@@ -158,6 +189,7 @@ class ShmStore(ObjectStore):
         self._arena: Arena | None = arena
         self._layout = arena.geometry.layout
         self._index = HashIndex(arena.index_table)
+        self._hw = HeaderWords(self._layout)
         self._lock = lock
         self._slots = SlotTable(arena.geometry.slot_count) if lock is not None else None
         self._stride = arena.geometry.slot_nbytes
@@ -347,28 +379,42 @@ class ShmStore(ObjectStore):
     # ----------------------------------------------------------------- locating
 
     def _locate(self, words: np.ndarray) -> _Located:
+        """Slots and envelope snapshots of keys, vectorized over the batch."""
         arena = self._live()
         n = len(words)
-        cand = self._index.candidates(words)
-        has = cand >= 0
-        slots = cand[np.arange(n), np.argmax(has, axis=1)]
-        safe = np.where(slots >= 0, slots, 0)
-        seq = arena.seq[safe]
-        headers = arena.headers[safe]
-        keyok = (slots >= 0) & (headers["key0"] == words[:, 0]) & (headers["key1"] == words[:, 1])
-        for i in np.flatnonzero(~keyok & (np.count_nonzero(has, axis=1) > 1)).tolist():
-            for s in cand[i][has[i]].tolist():  # rare: two tags in one bucket pair
-                h = arena.headers[s]
-                if int(h["key0"]) == int(words[i, 0]) and int(h["key1"]) == int(words[i, 1]):
-                    slots[i], seq[i], headers[i], keyok[i] = s, arena.seq[s], h, True
-                    break
-        slots = np.where(keyok, slots, -1)
-        stable = keyok & ((seq & np.uint64(1)) == 0) & (seq > 0) & (headers["seq"] == seq)
-        problems = header_problems(headers, self._layout)
+        entries, hit = self._index.probe(words)
+        first = hit.argmax(axis=1)
+        rows_n = np.arange(n)
+        any_hit = hit[rows_n, first]
+        slots = HashIndex.entry_slots(entries[rows_n, first])
+        n_slots = len(arena.seq)
+        found = any_hit & (slots >= 0) & (slots < n_slots)  # damaged entry: missing
+        slots[~found] = -1
+        safe = np.where(found, slots, 0)
+        all_words = arena.words
+        seq = all_words[safe, 0]  # seqlock: read seq, then copy the envelope
+        env = all_words[safe]
+        keyok = found & (env[:, 1] == words[:, 0]) & (env[:, 2] == words[:, 1])
+        retry = np.flatnonzero(any_hit & ~keyok)
+        if len(retry):  # rare: another key with the same tag comes first
+            for i in retry[np.count_nonzero(hit[retry], axis=1) > 1].tolist():
+                for s in HashIndex.entry_slots(entries[i][hit[i]]).tolist():
+                    if (
+                        0 <= s < n_slots
+                        and int(all_words[s, 1]) == int(words[i, 0])
+                        and int(all_words[s, 2]) == int(words[i, 1])
+                    ):
+                        slots[i], seq[i] = s, all_words[s, 0]
+                        env[i] = all_words[s]
+                        keyok[i] = True
+                        break
+        slots[~keyok] = -1
+        stable = keyok & ((seq & np.uint64(1)) == 0) & (seq > 0) & (env[:, 0] == seq)
+        problems = self._hw.problems(env)
         return _Located(
             slots=slots,
             seq=seq,
-            headers=headers,
+            words=env,
             present=stable & ~problems,
             corrupt=stable & problems,
             unstable=keyok & ~stable,
@@ -412,25 +458,29 @@ class ShmStore(ObjectStore):
         """Locate, copy and verify ``keys`` into ``dest`` (seqlock-retrying)."""
         words = keys_to_words(keys)
         suspicious = False
+        row_nbytes = self._layout.row_nbytes
         for _ in range(_READ_ATTEMPTS):
             loc = self._locate(words)
-            if (~loc.present & ~loc.corrupt & ~loc.unstable).any():
-                raise self._missing(
-                    keys, ~loc.present & ~loc.corrupt & ~loc.unstable, "evicted or never published"
-                )
-            if loc.unstable.any():
-                time.sleep(0.0005)
-                continue
-            if loc.corrupt.any():
+            if not loc.present.all():
+                if (~loc.present & ~loc.corrupt & ~loc.unstable).any():
+                    raise self._missing(
+                        keys,
+                        ~loc.present & ~loc.corrupt & ~loc.unstable,
+                        "evicted or never published",
+                    )
+                if loc.unstable.any():
+                    time.sleep(0.0005)
+                    continue
                 raise self._corrupt(keys, loc.corrupt, "envelope does not match the layout")
-            out, dst = dest.prepare(loc.headers)
-            nbytes = loc.headers["payload_nbytes"].astype(np.int64)
+            n_tokens = HeaderWords.n_tokens(loc.words)
+            out, dst = dest.prepare(n_tokens, loc.words[:, HeaderWords.START])
+            nbytes = n_tokens * row_nbytes
             self._copy(loc.slots, nbytes, out, dst)
-            bad = _verify(out, dst, nbytes, loc.headers)
+            bad = _verify(out, dst, nbytes, loc.words, self._hw)
             changed = self._live().seq[loc.slots] != loc.seq
             if changed.any():
                 continue  # slot reused while we read: look the keys up again
-            if bad.any():
+            if bad is not None:
                 if suspicious:
                     raise self._corrupt(keys, bad, "checksum mismatch")
                 suspicious = True  # a write may not be visible yet on weakly ordered CPUs
@@ -523,14 +573,14 @@ class ShmStore(ObjectStore):
             raise SchemaError(f"{len(rows)} rows do not fill {n} blocks of {bs} tokens")
         if type(token_start) is not int or token_start < 0 or token_start % bs:
             raise SchemaError(f"token_start={token_start!r} is not a block boundary ({bs})")
-        whole = rows.data.cast("B")
-        step = bs * lay.row_nbytes
-        total = len(whole)
-        srcs = [whole[o : min(o + step, total)] for o in range(0, total, step)]
-        n_tokens = [bs] * n
+        n_tokens = np.full(n, bs, dtype=np.int64)
         n_tokens[-1] = len(rows) - (n - 1) * bs
         batch = _Batch(
-            list(keys), srcs, list(range(token_start, token_start + n * bs, bs)), n_tokens, whole
+            list(keys),
+            np.arange(token_start, token_start + n * bs, bs, dtype=np.uint64),
+            n_tokens,
+            whole=rows.data.cast("B"),
+            step=bs * lay.row_nbytes,
         )
         if len(set(batch.keys)) != n:
             batch = batch.deduplicated()
@@ -539,37 +589,13 @@ class ShmStore(ObjectStore):
             self._put_batch(batch, pin)
 
     def _put_batch(self, batch: _Batch, pin: bool) -> None:
-        arena, slots_tab = self._writer()
+        _, slots_tab = self._writer()
         words = keys_to_words(batch.keys)
         loc = self._locate(words)
         found = loc.present | loc.corrupt | loc.unstable
-        same_range = (loc.headers["token_start"] == np.array(batch.starts, np.uint64)) & (
-            loc.headers["n_tokens"] == np.array(batch.n_tokens, np.uint32)
-        )
-        payload, stride = arena.payload, self._stride
-        present, same_range_l = loc.present.tolist(), same_range.tolist()
-        found_idx = np.flatnonzero(found)
-        seeds = checksum_seeds(loc.headers[found_idx]) if len(found_idx) else []
-        sums = loc.headers["checksum"][found_idx].tolist()
         drop: list[int] = []
-        for j, i in enumerate(found_idx.tolist()):
-            src = batch.srcs[i]
-            off = int(loc.slots[i]) * stride
-            stored = payload[off : off + int(loc.headers["payload_nbytes"][i])]
-            if not (present[i] and checksum(stored, seeds[j]) == sums[j]):
-                drop.append(i)  # a corrupt or half-written leftover: replace it
-                continue
-            # bytes() copies 2 x 7 KiB but compares at memcmp speed (memoryview == is slow)
-            if same_range_l[i] and bytes(stored) == bytes(src):
-                continue  # identical republish
-            raise KeyCollisionError(
-                f"R3 key {batch.keys[i].hex()} is already published with different "
-                f"content (tokens {int(loc.headers['token_start'][i])}+"
-                f"{int(loc.headers['n_tokens'][i])}, now {batch.starts[i]}+"
-                f"{batch.n_tokens[i]}). Keys must include everything that changes "
-                "routing: check the weight version and the model namespace; the block "
-                "hash must be the KV cache's."
-            )
+        if found.any():
+            self._check_republished(batch, loc, np.flatnonzero(found), drop)
         if drop:
             d = np.array(drop, dtype=np.int64)
             self._index.remove(words[d], loc.slots[d])
@@ -584,11 +610,47 @@ class ShmStore(ObjectStore):
         if self._lock is not None:
             self._lock.heartbeat()
 
+    def _check_republished(
+        self, batch: _Batch, loc: _Located, found_idx: np.ndarray, drop: list[int]
+    ) -> None:
+        """Keys already stored: accept identical content, collect corrupt or
+        half-written leftovers in ``drop`` (replaced), raise on a collision."""
+        payload, stride = self._live().payload, self._stride
+        env = loc.words[found_idx]
+        present = loc.present[found_idx].tolist()
+        same_range = (
+            (env[:, HeaderWords.START] == batch.starts[found_idx])
+            & (HeaderWords.n_tokens(env) == batch.n_tokens[found_idx])
+        ).tolist()
+        seeds = self._hw.seeds(env)  # meaningful where present (format checked)
+        sums = env[:, HeaderWords.CSUM].tolist()
+        nbytes = (HeaderWords.n_tokens(env) * self._layout.row_nbytes).tolist()
+        for j, i in enumerate(found_idx.tolist()):
+            off = int(loc.slots[i]) * stride
+            stored = payload[off : off + nbytes[j]]
+            if not (present[j] and checksum(stored, seeds[j]) == sums[j]):
+                drop.append(i)  # a corrupt or half-written leftover: replace it
+                continue
+            # bytes() copies 2 x 7 KiB but compares at memcmp speed (memoryview == is slow)
+            if same_range[j] and bytes(stored) == bytes(batch.src(i)):
+                continue  # identical republish
+            h = HeaderWords.as_headers(env)[j]
+            raise KeyCollisionError(
+                f"R3 key {batch.keys[i].hex()} is already published with different "
+                f"content (tokens {int(h['token_start'])}+{int(h['n_tokens'])}, now "
+                f"{int(batch.starts[i])}+{int(batch.n_tokens[i])}). Keys must include "
+                "everything that changes routing: check the weight version and the model "
+                "namespace; the block hash must be the KV cache's."
+            )
+
     def _check_items(self, items: Sequence[PutItem | tuple[ObjectKey, np.ndarray, int]]) -> _Batch:
         """Validate a put batch cheaply (no pass over the data) and dedupe its keys."""
         lay = self._layout
         dt, row_shape, bs = lay.dtype, lay.row_shape, lay.block_size
-        batch = _Batch([], [], [], [])
+        keys: list[ObjectKey] = []
+        srcs: list[memoryview] = []
+        starts: list[int] = []
+        counts: list[int] = []
         for key, r, ts in items:
             if (
                 type(r) is not np.ndarray
@@ -606,10 +668,13 @@ class ShmStore(ObjectStore):
                 src = r.data.cast("B")
             except TypeError:  # not C-contiguous
                 src = np.ascontiguousarray(r).data.cast("B")
-            batch.keys.append(key)
-            batch.srcs.append(src)
-            batch.starts.append(ts)
-            batch.n_tokens.append(n)
+            keys.append(key)
+            srcs.append(src)
+            starts.append(ts)
+            counts.append(n)
+        batch = _Batch(
+            keys, np.array(starts, dtype=np.uint64), np.array(counts, dtype=np.int64), srcs=srcs
+        )
         if len(set(batch.keys)) != len(batch.keys):
             batch = batch.deduplicated()
         return batch
@@ -648,25 +713,18 @@ class ShmStore(ObjectStore):
             old = arena.headers[victims]
             self._index.remove(np.stack((old["key0"], old["key1"]), axis=1), victims)
         seq = arena.seq
-        seq[slots] = seq[slots] + np.uint64(1)  # 1. odd: being written
-        new_l = new.tolist()
+        odd = seq[slots] + np.uint64(1)
+        seq[slots] = odd  # 1. odd: being written
         new_words = words[new]
-        headers = np.zeros(k, dtype=HEADER_DTYPE)
-        fill_headers(
-            headers,
-            new_words,
-            np.array([batch.starts[i] for i in new_l], dtype=np.uint64),
-            np.array([batch.n_tokens[i] for i in new_l], dtype=np.uint32),
-            self._layout,
-        )
-        headers["seq"] = seq[slots]
-        seeds = checksum_seeds(headers)
-        srcs = batch.srcs
-        sums = [checksum(srcs[i], seed) for i, seed in zip(new_l, seeds, strict=True)]
+        starts, n_tokens = batch.starts[new], batch.n_tokens[new]
+        env = self._hw.build(new_words, starts, n_tokens)
+        env[:, HeaderWords.SEQ] = odd
+        seeds = self._hw.seeds_for(new_words, starts, n_tokens)
+        sums = list(map(checksum, batch.src_views(new), seeds))
         self._write_payloads(batch, new, slots)  # 2. payload
-        headers["checksum"] = sums
-        arena.headers[slots] = headers  # 3. envelope (seq still odd)
-        seq[slots] = seq[slots] + np.uint64(1)  # 4. even: published
+        env[:, HeaderWords.CSUM] = sums
+        arena.words[slots] = env  # 3. envelope (seq still odd)
+        seq[slots] = odd + np.uint64(1)  # 4. even: published
         failed = self._index.insert(new_words, slots)  # 5. visible by key
         slots_tab.fill(slots)
         if len(failed):
@@ -681,23 +739,22 @@ class ShmStore(ObjectStore):
     def _write_payloads(self, batch: _Batch, new: np.ndarray, slots: np.ndarray) -> None:
         """Copy payloads into their slots; runs that are consecutive on both
         sides (``put_blocks`` into freshly swept slots) move as one range."""
-        payload, stride, srcs = self._live().payload, self._stride, batch.srcs
+        payload, stride = self._live().payload, self._stride
         if batch.whole is None or len(new) < 2:
-            for i, s in zip(new.tolist(), slots.tolist(), strict=True):
-                src = srcs[i]
+            for view, s in zip(batch.src_views(new), slots.tolist(), strict=True):
                 off = s * stride
-                payload[off : off + len(src)] = src
+                payload[off : off + len(view)] = view
             return
         # In put_blocks every object but the last is one full stride long.
         src = new.astype(np.int64) * stride
         dst = slots.astype(np.int64) * stride
         cont = (src[1:] == src[:-1] + stride) & (dst[1:] == dst[:-1] + stride)
         breaks = (np.flatnonzero(~cont) + 1).tolist()
-        src_l, dst_l, new_l = src.tolist(), dst.tolist(), new.tolist()
+        src_l, dst_l = src.tolist(), dst.tolist()
         whole = batch.whole
         for lo, hi in zip([0, *breaks], [*breaks, len(new)], strict=True):
             a = src_l[lo]
-            b = a + (hi - lo - 1) * stride + len(srcs[new_l[hi - 1]])
+            b = min(src_l[hi - 1] + stride, len(whole))
             d = dst_l[lo]
             payload[d : d + (b - a)] = whole[a:b]
 
@@ -728,7 +785,11 @@ class ShmStore(ObjectStore):
 class _Dest:
     """Where a read lands: decides destination offsets once envelopes are known."""
 
-    def prepare(self, headers: np.ndarray) -> tuple[memoryview, np.ndarray]:
+    def prepare(
+        self, n_tokens: np.ndarray, token_starts: np.ndarray
+    ) -> tuple[memoryview, np.ndarray]:
+        """Destination buffer and byte offset of each object (``n_tokens``
+        int64 and ``token_starts`` uint64, from validated envelopes)."""
         raise NotImplementedError
 
 
@@ -744,10 +805,12 @@ class _IntoDest(_Dest):
         self._start = token_start
         self._row_nbytes = store.layout.row_nbytes
 
-    def prepare(self, headers: np.ndarray) -> tuple[memoryview, np.ndarray]:
-        n_tokens = headers["n_tokens"].astype(np.int64)
-        offsets = np.concatenate(([0], np.cumsum(n_tokens)[:-1]))
-        wrong = headers["token_start"].astype(np.int64) != self._start + offsets
+    def prepare(
+        self, n_tokens: np.ndarray, token_starts: np.ndarray
+    ) -> tuple[memoryview, np.ndarray]:
+        offsets = np.zeros(len(n_tokens), dtype=np.int64)
+        np.cumsum(n_tokens[:-1], out=offsets[1:])
+        wrong = token_starts.astype(np.int64) != self._start + offsets
         if wrong.any():
             raise self._store._corrupt(
                 self._keys,
@@ -772,8 +835,9 @@ class _FreshDest(_Dest):
         self._buf: np.ndarray | None = None
         self._counts: list[int] = []
 
-    def prepare(self, headers: np.ndarray) -> tuple[memoryview, np.ndarray]:
-        n_tokens = headers["n_tokens"].astype(np.int64)
+    def prepare(
+        self, n_tokens: np.ndarray, token_starts: np.ndarray
+    ) -> tuple[memoryview, np.ndarray]:
         self._counts = n_tokens.tolist()
         self._buf = self._layout.empty(int(n_tokens.sum()))
         offsets = np.concatenate(([0], np.cumsum(n_tokens)[:-1]))
@@ -786,13 +850,18 @@ class _FreshDest(_Dest):
 
 
 def _verify(
-    out: memoryview, dst: np.ndarray, nbytes: np.ndarray, headers: np.ndarray
-) -> np.ndarray:
-    """Checksum every object on the bytes actually copied; True where it fails."""
-    seeds = checksum_seeds(headers)
-    starts, ends = dst.tolist(), (dst + nbytes).tolist()
-    got = [checksum(out[a:e], s) for a, e, s in zip(starts, ends, seeds, strict=True)]
-    return np.array(got, dtype=np.uint64) != headers["checksum"]
+    out: memoryview, dst: np.ndarray, nbytes: np.ndarray, env: np.ndarray, hw: HeaderWords
+) -> np.ndarray | None:
+    """Checksum every object on the bytes actually copied.
+
+    Returns None if all match, else a mask of the failures. One xxh3 call per
+    object, driven by ``map`` so no Python bytecode runs per object.
+    """
+    views = map(out.__getitem__, map(slice, dst.tolist(), (dst + nbytes).tolist()))
+    got = list(map(checksum, views, hw.seeds(env)))
+    if got == env[:, HeaderWords.CSUM].tolist():
+        return None
+    return np.array(got, dtype=np.uint64) != env[:, HeaderWords.CSUM]
 
 
 def _recover(arena: Arena) -> tuple[int, int, int]:
@@ -810,9 +879,12 @@ def _recover(arena: Arena) -> tuple[int, int, int]:
     words = np.stack((h["key0"][idx], h["key1"][idx]), axis=1)
     dup = np.zeros(len(idx), dtype=bool)
     if len(idx):
-        _, first = np.unique(words.view([("a", "<u8"), ("b", "<u8")]).ravel(), return_index=True)
-        dup[:] = True
-        dup[first] = False
+        # lexsort is stable: the first (lowest) slot of each key is kept. (np.unique
+        # on a structured key view sorts ~20x slower: 0.35 s for 200k keys.)
+        order = np.lexsort((words[:, 1], words[:, 0]))
+        w = words[order]
+        same = (w[1:, 0] == w[:-1, 0]) & (w[1:, 1] == w[:-1, 1])
+        dup[order[1:][same]] = True
     table = np.zeros_like(arena.index_table)
     keep = idx[~dup]
     failed = HashIndex(table).insert(words[~dup], keep)

@@ -156,7 +156,9 @@ class Arena:
         self.headers = np.frombuffer(
             buf, dtype=HEADER_DTYPE, count=g.slot_count, offset=g.headers_offset
         )
-        self.seq = self.headers["seq"]
+        #: The same headers as ``[slots, 8]`` uint64 words (:class:`HeaderWords`).
+        self.words = self.headers.view("<u8").reshape(g.slot_count, 8)
+        self.seq = self.words[:, 0]
         self.payload = buf[g.payload_offset : g.payload_offset + g.slot_count * g.slot_nbytes]
 
     def close(self) -> None:
@@ -165,7 +167,7 @@ class Arena:
         if mm is None or buf is None:
             return
         self._mm = self._buf = None
-        del self.index_table, self.headers, self.seq
+        del self.index_table, self.headers, self.words, self.seq
         self.payload.release()
         try:
             buf.release()

@@ -62,12 +62,27 @@ class HashIndex:
     def candidates(self, words: np.ndarray) -> np.ndarray:
         """``[n, 16]`` int64 slots whose entries carry the key's tag; -1 elsewhere."""
         b1, b2, tag = self._route(words)
-        entries = np.concatenate((self.table[b1], self.table[b2]), axis=1)
+        entries = self.table[np.stack((b1, b2), axis=1)].reshape(len(words), 2 * BUCKET_WAYS)
         # An empty entry (0) decodes to slot -1, so it needs no separate test.
         hit = (entries >> _S32) == (tag >> _S32)[:, None]
         slots = (entries & _LOW32).astype(np.int64)
         slots -= 1
         slots[~hit] = -1
+        return slots
+
+    def probe(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Entries of both candidate buckets (``[n, 16]`` uint64) and where
+        they carry the key's tag (bool, empty entries never match)."""
+        b1, b2, tag = self._route(words)
+        entries = self.table[np.stack((b1, b2), axis=1)].reshape(len(words), 2 * BUCKET_WAYS)
+        hit = ((entries >> _S32) == (tag >> _S32)[:, None]) & (entries != 0)
+        return entries, hit
+
+    @staticmethod
+    def entry_slots(entries: np.ndarray) -> np.ndarray:
+        """Slot numbers (int64) of non-empty entries."""
+        slots = (entries & _LOW32).astype(np.int64)
+        slots -= 1
         return slots
 
     def remove(self, words: np.ndarray, slots: np.ndarray) -> None:

@@ -7,12 +7,13 @@ silently skipping the hook). All hooks are applied by :func:`apply_all`, which t
 so a patch made only in the parent would be lost). ``docs/vllm-hooks.md`` has the same table.
 
 engine_args (``vllm.engine.arg_utils.EngineArgs``; checked against vLLM 0.32.0)
-    Why: ``--enable-routed-experts`` and ``LLM(enable_routed_experts=...)`` are our spellings of
-    vLLM's ``enable_return_routed_experts``; startup checks must run before engine processes
-    start.
-    How: wraps ``add_cli_args`` (adds the flag), ``from_cli_args`` (maps it onto vLLM's flag),
-    ``__init__`` of ``EngineArgs``/``AsyncEngineArgs`` (accepts the keyword) and
-    ``create_engine_config`` (startup validation).
+    Why: ``--enable-routed-experts``, the ``--artifact-*`` store options and their ``LLM(...)``
+    keywords; startup checks must run before engine processes start.
+    How: wraps ``add_cli_args`` (adds the flags), ``from_cli_args`` and ``__init__`` of
+    ``EngineArgs``/``AsyncEngineArgs`` (map our options onto vLLM's
+    ``enable_return_routed_experts`` plus ``additional_config["vllm_artifact"]``) and
+    ``create_engine_config`` (startup refusals; selects our scheduler through vLLM's own
+    ``scheduler_config.scheduler_cls``, which is configuration, not a patch).
     Future: a config-extension API upstream would make this unnecessary.
 
 worker_factory (``vllm.v1.worker.gpu.model_runner.get_aux_output_connector``; vLLM 0.32.0)

@@ -10,6 +10,7 @@ from vllm_artifact.core import Envelope, R3Layout
 from vllm_artifact.core.envelope import (
     HEADER_DTYPE,
     OBJECT_MAGIC,
+    HeaderWords,
     checksum,
     checksum_seeds,
     fill_headers,
@@ -95,3 +96,50 @@ def test_header_problems_flags_format_mismatches() -> None:
         h = base.copy()
         h[field] = value
         assert header_problems(h, LAYOUT).all(), field
+
+
+def test_header_words_layout_matches_the_dtype() -> None:
+    assert HEADER_DTYPE.fields is not None
+    offsets = {name: spec[1] for name, spec in HEADER_DTYPE.fields.items()}
+    hw = HeaderWords
+    assert offsets["seq"] == 8 * hw.SEQ and offsets["key0"] == 8 * hw.KEY0
+    assert offsets["key1"] == 8 * hw.KEY1 and offsets["token_start"] == 8 * hw.START
+    assert offsets["checksum"] == 8 * hw.CSUM
+    assert offsets["n_tokens"] == 8 * hw.COUNT and offsets["magic"] == 8 * hw.COUNT + 4
+    assert offsets["schema_version"] == 8 * hw.FORMAT and offsets["flags"] == 8 * hw.FORMAT + 3
+    assert offsets["top_k"] == 8 * hw.FORMAT + 6 and offsets["payload_nbytes"] == 8 * hw.NBYTES
+
+
+@given(
+    st.lists(
+        st.tuples(st.binary(min_size=16, max_size=16), st.integers(0, 2**20), st.integers(1, 8)),
+        min_size=1,
+        max_size=20,
+    ),
+    st.lists(st.tuples(st.integers(0, 63), st.integers(1, 255)), max_size=6),
+)
+def test_header_words_equal_the_structured_functions(
+    objs: list[tuple[bytes, int, int]], flips: list[tuple[int, int]]
+) -> None:
+    """The vectorized word path builds, checks and seeds exactly like the
+    field-wise functions, also on headers with flipped bytes."""
+    hw = HeaderWords(LAYOUT)
+    words = keys_to_words([k for k, _, _ in objs])
+    starts = np.array([8 * b for _, b, _ in objs], np.uint64)
+    counts = np.array([n for _, _, n in objs], np.int64)
+    h = np.zeros(len(objs), dtype=HEADER_DTYPE)
+    fill_headers(h, words, starts, counts.astype(np.uint32), LAYOUT)
+    built = hw.build(words, starts, counts)
+    assert built.tobytes() == h.tobytes()
+    assert hw.seeds_for(words, starts, counts) == checksum_seeds(h)
+    raw = h.view(np.uint8).reshape(len(objs), 64)
+    for pos, delta in flips:
+        if pos >= 48 or 40 <= pos < 48 or 24 <= pos < 32:  # format fields, counts, start
+            raw[0, pos] ^= delta
+    w = HeaderWords.of(h)
+    np.testing.assert_array_equal(hw.problems(w), header_problems(h, LAYOUT))
+    ok = ~header_problems(h, LAYOUT)
+    assert [s for s, g in zip(hw.seeds(w), ok, strict=True) if g] == [
+        s for s, g in zip(checksum_seeds(h), ok, strict=True) if g
+    ]
+    assert HeaderWords.as_headers(w).tobytes() == h.tobytes()

@@ -328,3 +328,65 @@ def test_property_round_trip(
         got = store.get([k for k, _, _ in reversed(items)])
         for (_, want, _), arr in zip(reversed(items), got, strict=True):
             np.testing.assert_array_equal(arr, want)
+
+
+def test_fragmented_reads_and_put_blocks_republish(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    """A request whose objects sit in many separate slot runs (interleaved
+    publishes, eviction) reads back exactly; put_blocks handles keys that
+    already exist and keys repeated within the batch."""
+    with open_writer(shm_root, layout, slots=40) as store:
+        n = 12
+        keys = [key_for(namespace, i) for i in range(n)]
+        data = np.concatenate(
+            [rows_for(layout, i) for i in range(n - 1)] + [rows_for(layout, 50, 7)]
+        )
+        bs = layout.block_size
+        for i in range(0, n, 3):  # 3 objects, then 2 unrelated ones, repeatedly
+            store.put_blocks(keys[i : i + 3], data[i * bs : (i + 3) * bs], i * bs, pin=True)
+            junk = [key_for(namespace, 1000 + 10 * i + j) for j in range(2)]
+            store.put_blocks(junk, data[: 2 * bs], 0, pin=False)
+        for i in range(30):  # force eviction of the unpinned junk, reusing its slots
+            store.put([(key_for(namespace, 2000 + i), rows_for(layout, i), 0)], pin=False)
+        assert store.stats().evictions > 0
+        out = layout.empty(len(data))
+        store.read_into(keys, out)
+        np.testing.assert_array_equal(out, data)
+        np.testing.assert_array_equal(np.concatenate(store.get(keys)), data)
+        part = layout.empty(5 * bs)
+        store.read_into(keys[4:9], part, token_start=4 * bs)
+        np.testing.assert_array_equal(part, data[4 * bs : 9 * bs])
+        # Republish: some keys exist, one is new; a key repeated within put_blocks
+        # is at two token ranges, so it collides.
+        more = [*keys[:4], key_for(namespace, 77)]
+        rows = np.concatenate([data[: 4 * bs], rows_for(layout, 77)])
+        store.put_blocks(more, rows, 0)
+        np.testing.assert_array_equal(store.get([more[4]])[0], rows_for(layout, 77))
+        with pytest.raises(KeyCollisionError, match="twice in one batch"):
+            store.put_blocks([*more, more[4]], np.concatenate([rows, rows_for(layout, 77)]), 0)
+        with pytest.raises(KeyCollisionError, match="different content"):
+            store.put_blocks(keys[:2], data[bs : 3 * bs], 0)
+        with pytest.raises(ObjectCorruptError):  # wrong order: token ranges do not tile
+            store.read_into([keys[1], keys[0]], layout.empty(2 * bs))
+
+
+def test_reopen_drops_duplicate_keys(shm_root: str, layout: R3Layout, namespace: Namespace) -> None:
+    store = open_writer(shm_root, layout)
+    keys = [key_for(namespace, i) for i in range(3)]
+    store.put([(k, rows_for(layout, i), 0) for i, k in enumerate(keys)])
+    arena = store._live()
+    bn = layout.block_nbytes
+    # A stray copy of slot 1's object in slot 5 (as if left by an interrupted replace).
+    arena.headers[5] = arena.headers[1]
+    arena.payload[5 * bn : 6 * bn] = arena.payload[bn : 2 * bn]
+    store._lock.release()  # type: ignore[union-attr]  # "crash"
+    again = open_writer(shm_root, layout)
+    assert again.recovery is not None
+    assert (again.recovery.objects, again.recovery.dropped_invalid) == (3, 1)
+    assert again.envelope_of(keys[1]) is not None
+    for i, got in enumerate(again.get(keys)):
+        np.testing.assert_array_equal(got, rows_for(layout, i))
+    assert again.stats().objects == 3
+    again.close()
+    store.close()

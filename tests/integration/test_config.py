@@ -36,6 +36,10 @@ from vllm_artifact.integration.config import (
 )
 from vllm_artifact.integration.plugin import register
 
+# A local model directory: vLLM resolves model names, and the e2e tests put the process in
+# Hugging Face offline mode (no hub on these machines), where a made-up name cannot resolve.
+MODEL = str(ensure_tiny_model("qwen3-moe-8x2"))
+
 register()
 
 KEY = ADDITIONAL_CONFIG_KEY
@@ -214,7 +218,7 @@ def parser() -> FlexibleArgumentParser:
 
 
 def from_cli(parser: FlexibleArgumentParser, *flags: str) -> AsyncEngineArgs:
-    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *flags]))
+    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", MODEL, *flags]))
     assert isinstance(engine_args, AsyncEngineArgs)
     return engine_args
 
@@ -246,7 +250,7 @@ def test_cli_flags_reach_additional_config(parser: FlexibleArgumentParser, enabl
 def test_keywords_reach_additional_config() -> None:
     user_additional = {"mine": 1}
     engine_args = EngineArgs(
-        model="m",
+        model=MODEL,
         enable_routed_experts=True,
         artifact_backend="shm",
         artifact_root="/dev/shm/rl-run",
@@ -261,7 +265,7 @@ def test_keywords_reach_additional_config() -> None:
 def test_r3_on_without_store_options_writes_defaults(parser: FlexibleArgumentParser) -> None:
     expected = ArtifactConfig().to_additional_config()
     assert from_cli(parser, "--enable-routed-experts").additional_config == {KEY: expected}
-    engine_args = EngineArgs(model="m", aux_output_config={"enable_return_routed_experts": True})
+    engine_args = EngineArgs(model=MODEL, aux_output_config={"enable_return_routed_experts": True})
     assert engine_args.additional_config == {KEY: expected}
 
 
@@ -276,7 +280,7 @@ def test_flags_override_additional_config_entry(parser: FlexibleArgumentParser) 
 
 def test_bad_additional_config_entry_is_rejected() -> None:
     with pytest.raises(ArtifactConfigError, match=r'\["vllm_artifact"\]\["capacty"\]'):
-        EngineArgs(model="m", enable_routed_experts=True, additional_config={KEY: {"capacty": 1}})
+        EngineArgs(model=MODEL, enable_routed_experts=True, additional_config={KEY: {"capacty": 1}})
 
 
 @pytest.mark.parametrize(
@@ -296,7 +300,7 @@ def test_bad_cli_values_fail_while_parsing(
     example: str,
 ) -> None:
     with pytest.raises(SystemExit):
-        parser.parse_args(["--model", "m", "--enable-routed-experts", flag, value])
+        parser.parse_args(["--model", MODEL, "--enable-routed-experts", flag, value])
     err = capsys.readouterr().err
     assert f"argument {flag}" in err
     assert example in err
@@ -306,7 +310,7 @@ def test_unknown_backend_fails_while_parsing(
     parser: FlexibleArgumentParser, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        parser.parse_args(["--model", "m", "--artifact-backend", "s3"])
+        parser.parse_args(["--model", MODEL, "--artifact-backend", "s3"])
     assert "argument --artifact-backend: invalid choice: 's3'" in capsys.readouterr().err
 
 
@@ -322,7 +326,7 @@ def test_unknown_backend_fails_while_parsing(
 )
 def test_bad_keyword_values_fail_at_engine_args(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ArtifactConfigError, match=match):
-        EngineArgs(model="m", enable_routed_experts=True, **kwargs)
+        EngineArgs(model=MODEL, enable_routed_experts=True, **kwargs)
 
 
 def test_store_options_without_r3_are_rejected(parser: FlexibleArgumentParser) -> None:
@@ -330,9 +334,9 @@ def test_store_options_without_r3_are_rejected(parser: FlexibleArgumentParser) -
     with pytest.raises(ArtifactConfigError, match=message):
         from_cli(parser, "--artifact-capacity", "8GiB")
     with pytest.raises(ArtifactConfigError, match=message):
-        EngineArgs(model="m", artifact_capacity="8GiB")
+        EngineArgs(model=MODEL, artifact_capacity="8GiB")
     with pytest.raises(ArtifactConfigError, match="--artifact-root has no effect"):
-        EngineArgs(model="m", enable_routed_experts=False, artifact_root="/dev/shm/x")
+        EngineArgs(model=MODEL, enable_routed_experts=False, artifact_root="/dev/shm/x")
 
 
 def _plain_engine_args(**kwargs: Any) -> EngineArgs:
@@ -343,13 +347,13 @@ def _plain_engine_args(**kwargs: Any) -> EngineArgs:
 
 
 def test_inert_when_off(parser: FlexibleArgumentParser) -> None:
-    kwargs: dict[str, Any] = {"model": "m", "max_num_seqs": 3, "additional_config": {"a": 1}}
+    kwargs: dict[str, Any] = {"model": MODEL, "max_num_seqs": 3, "additional_config": {"a": 1}}
     assert repr(EngineArgs(**kwargs)) == repr(_plain_engine_args(**kwargs))
-    assert EngineArgs(model="m").additional_config == {}
+    assert EngineArgs(model=MODEL).additional_config == {}
     assert from_cli(parser).additional_config == {}
     # A user's own entry is left alone (not even validated) while R3 is off.
     entry = {KEY: {"anything": "goes"}}
-    assert EngineArgs(model="m", additional_config=entry).additional_config == entry
+    assert EngineArgs(model=MODEL, additional_config=entry).additional_config == entry
 
 
 def test_help_lists_every_flag(parser: FlexibleArgumentParser) -> None:

@@ -14,6 +14,10 @@ from vllm_artifact_testing.tiny_models import ensure_tiny_model
 from vllm_artifact.errors import ArtifactConfigError
 from vllm_artifact.integration.plugin import register
 
+# A local model directory: vLLM resolves model names, and the e2e tests put the process in
+# Hugging Face offline mode (no hub on these machines), where a made-up name cannot resolve.
+MODEL = str(ensure_tiny_model("qwen3-moe-8x2"))
+
 
 @pytest.fixture
 def parser() -> FlexibleArgumentParser:
@@ -24,7 +28,7 @@ def parser() -> FlexibleArgumentParser:
 
 
 def parse(parser: FlexibleArgumentParser, *flags: str) -> AsyncEngineArgs:
-    args = parser.parse_args(["--model", "some-model", *flags])
+    args = parser.parse_args(["--model", MODEL, *flags])
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert isinstance(engine_args, AsyncEngineArgs)
     return engine_args
@@ -52,15 +56,15 @@ def test_flag_is_documented_in_help(parser: FlexibleArgumentParser) -> None:
 
 def test_keyword_argument_enables_capture() -> None:
     register()
-    engine_args = EngineArgs(model="some-model", enable_routed_experts=True)
+    engine_args = EngineArgs(model=MODEL, enable_routed_experts=True)
     assert engine_args.aux_output_config.enable_return_routed_experts is True
-    assert EngineArgs(model="some-model").aux_output_config.enable_return_routed_experts is False
+    assert EngineArgs(model=MODEL).aux_output_config.enable_return_routed_experts is False
 
 
 def test_keyword_argument_rejects_non_bool() -> None:
     register()
     with pytest.raises(TypeError, match="enable_routed_experts must be True or False"):
-        EngineArgs(model="some-model", enable_routed_experts="yes")
+        EngineArgs(model=MODEL, enable_routed_experts="yes")
 
 
 def test_register_is_idempotent(caplog: pytest.LogCaptureFixture) -> None:
@@ -82,6 +86,6 @@ def test_model_runner_v1_rejected_before_engine_config(monkeypatch: pytest.Monke
 
 def test_without_our_options_engine_args_are_unchanged() -> None:
     register()
-    plain = EngineArgs(model="some-model", max_num_seqs=3)
+    plain = EngineArgs(model=MODEL, max_num_seqs=3)
     assert plain.enable_return_routed_experts is False
     assert plain.max_num_seqs == 3

@@ -240,6 +240,7 @@ class ArtifactWorkerConnector:
         """Snapshot this step's rows for the asynchronous copy (rank zero only)."""
         if self._store is None or not self._step_active:
             return None
+        self._step_active = False  # one prepare per begin_step (dummy runs get none)
         request_ids = list(input_batch.req_ids)
         query_start_loc = np.array(input_batch.query_start_loc_np[: len(request_ids) + 1])
         pending = PendingArtifactStep(

@@ -7,7 +7,6 @@ pass of the same weights.
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import uuid
@@ -19,9 +18,9 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.store_faults import flip_in_every_slot
 
-from vllm_artifact.core.envelope import HEADER_NBYTES
-from vllm_artifact.core.store import ShmStore
+from vllm_artifact.client import r3_failure
 
 pytestmark = pytest.mark.engine
 
@@ -41,30 +40,6 @@ def connector_stats(llm: Any) -> dict[str, int]:
         return {"reads": connector.reads, "objects": store_stats.objects}
 
     return next(s for s in llm.collective_rpc(stats) if s)
-
-
-def store_name(root: Path) -> str:
-    names = [p.name for p in root.iterdir() if p.name.startswith("r3-")]
-    assert len(names) == 1, names
-    return names[0]
-
-
-def flip_in_every_slot(root: Path, *, where: str) -> None:
-    """Flip one byte of every slot's payload (corrupt) or key (object looks deleted)."""
-    name = store_name(root)
-    reader = ShmStore.open_reader(str(root), name)
-    geometry = reader.geometry
-    reader.close()
-    arena = next(p for p in (root / name).iterdir() if p.is_file() and p.stat().st_size > 4096)
-    with open(arena, "r+b") as f, mmap.mmap(f.fileno(), 0) as view:
-        data = np.frombuffer(view, dtype=np.uint8)
-        for slot in range(geometry.slot_count):
-            if where == "payload":
-                offset = geometry.payload_offset + slot * geometry.slot_nbytes + 3
-            else:
-                offset = geometry.headers_offset + slot * HEADER_NBYTES + 8 + 3
-            data[offset] ^= 0x40
-        del data
 
 
 def executed(output: Any) -> list[int]:
@@ -106,8 +81,10 @@ def test_corrupt_object_fails_that_request_only(llm: Any, model_a: Path, store_r
     flip_in_every_slot(store_root, where="payload")
     hit, fresh = llm.generate([PROMPT_ONE, PROMPT_TWO], GREEDY)
     assert hit.outputs[0].finish_reason == "error"
-    assert "corrupt" in str(hit.outputs[0].stop_reason)
     assert hit.outputs[0].routed_experts is None
+    failure = r3_failure(hit.outputs[0].stop_reason)
+    assert failure is not None and failure.reason == "corrupt", hit.outputs[0].stop_reason
+    assert "checksum" in failure.message
     # The other request of the same batch is untouched and the engine goes on.
     assert fresh.outputs[0].finish_reason == "length"
     assert_routing_matches(
@@ -122,7 +99,9 @@ def test_deleted_object_fails_closed_and_engine_keeps_serving(
     flip_in_every_slot(store_root, where="key")
     hit = llm.generate([PROMPT_TWO], GREEDY)[0]
     assert hit.outputs[0].finish_reason == "error"
-    assert "missing" in str(hit.outputs[0].stop_reason)
+    failure = r3_failure(hit.outputs[0].stop_reason)
+    assert failure is not None and failure.reason == "missing", hit.outputs[0].stop_reason
+    assert "Increase --artifact-capacity" in failure.message
     later = llm.generate(["A short prompt after the failure."], GREEDY)[0]
     assert later.outputs[0].finish_reason == "length"
     assert_routing_matches(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ import pytest
 import requests
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.server import RunningServer, vllm_server
+from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import decode_routed_experts
 
@@ -18,10 +21,17 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def server_a(model_a: Path) -> Iterator[RunningServer]:
+def store_root_a() -> Iterator[Path]:
+    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server_a(model_a: Path, store_root_a: Path) -> Iterator[RunningServer]:
     # --enable-scale-out serves the token-in/token-out endpoint (/inference/v1/generate).
     args = ["--enable-routed-experts", "--enable-prompt-tokens-details", "--enable-scale-out"]
-    with vllm_server(model_a, args) as server:
+    with vllm_server(model_a, [*args, "--artifact-root", str(store_root_a)]) as server:
         yield server
 
 
@@ -159,4 +169,26 @@ def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a
     cached = (result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     assert cached is not None and cached >= 32, result["usage"]
     choice = result["choices"][0]
+    check_choice(model_a, choice["prompt_token_ids"], choice)
+
+
+def test_corrupt_store_fails_one_request_with_a_clear_http_error(
+    server_a: RunningServer, model_a: Path, store_root_a: Path
+) -> None:
+    """Runs last in this module: it corrupts every object of server_a's store."""
+    prompt = " ".join(f"Corruption test sentence {i}." for i in range(30))
+    body = {"model": str(model_a), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    post(server_a, "/v1/completions", body)
+    flip_in_every_slot(store_root_a, where="payload")
+    reply = requests.post(server_a.base_url + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 500, reply.text
+    message = reply.json()["error"]["message"]
+    assert "R3 (routed experts)" in message and "corrupt" in message, message
+    # Other requests are served as before: the engine is up.
+    fresh = {
+        **body,
+        "prompt": "A new prompt that shares no cached prefix.",
+        "return_token_ids": True,
+    }
+    choice = post(server_a, "/v1/completions", fresh)["choices"][0]
     check_choice(model_a, choice["prompt_token_ids"], choice)

@@ -57,7 +57,7 @@ class _ArtifactSchedulerMixin:
                     request_id=request.request_id,
                     new_token_ids=[],
                     finish_reason=request.get_finished_reason(),
-                    stop_reason=failure.message,
+                    stop_reason=failure.as_stop_reason(),
                     events=request.take_events(),
                     trace_headers=request.trace_headers,
                 )

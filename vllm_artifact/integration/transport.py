@@ -15,6 +15,11 @@ from vllm.distributed.aux_output_connector.connector import (
     AuxRequestOutput,
 )
 
+# A request whose R3 cannot be delivered completely: the scheduler finishes it with an error.
+# ``reason`` is the error's short reason (``missing``, ``corrupt``, ...); ``message`` says what
+# happened and what to do. It reaches the frontend in ``stop_reason``.
+from vllm_artifact.client.failures import R3Failure as RequestFailure
+
 __all__ = ["ArtifactStepMetadata", "AuxRequestOutput", "RequestFailure", "StepOutput"]
 
 
@@ -24,18 +29,6 @@ class ArtifactStepMetadata:
 
     step: AuxOutputConnectorMetadata
     weight_version: str
-
-
-@dataclass
-class RequestFailure:
-    """R3 for this request cannot be delivered completely: finish it with an error.
-
-    ``reason`` is the error's short machine-readable reason (e.g. ``missing``, ``corrupt``);
-    ``message`` says what happened and what to do.
-    """
-
-    reason: str
-    message: str
 
 
 #: What the worker connector returns for one step.

@@ -26,6 +26,13 @@ weight_version (``vllm.v1.engine.core.EngineCore.set_weight_version``; vLLM 0.32
     Why: object keys must include the weight version, which vLLM keeps on the EngineCore only.
     How: wraps the setter to also tell our scheduler connector.
 
+request_errors (``RequestState.make_request_output``, ``GenerateBaseServing._raise_if_error``;
+    vLLM 0.32.0)
+    Why: vLLM answers every errored request with HTTP 500 "Internal server error"; a request
+    failed for R3 reasons must say why and what to do.
+    How: our failures (finish reason ``error``, message in ``stop_reason``) are remembered by
+    request id in the frontend and raise ``GenerationError`` (HTTP 500) with our message.
+
 early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
     Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general
     plugins, so the keyword would be rejected on the first call in a process.
@@ -51,9 +58,15 @@ def apply_all() -> bool:
     if _started:
         return False
     _started = True
-    from vllm_artifact.integration.hooks import engine_args, weight_version, worker_factory
+    from vllm_artifact.integration.hooks import (
+        engine_args,
+        request_errors,
+        weight_version,
+        worker_factory,
+    )
 
     engine_args.install()
     worker_factory.install()
     weight_version.install()
+    request_errors.install()
     return True

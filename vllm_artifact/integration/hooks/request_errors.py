@@ -1,0 +1,110 @@
+"""Hook: a request that failed for R3 reasons reaches the user with our message.
+
+vLLM 0.32 finishes such a request with finish reason ``error`` (our scheduler carries the
+message in ``stop_reason``), but its OpenAI server answers every errored request with HTTP 500
+"Internal server error". Two wraps, frontend process only, checked against vLLM 0.32.0:
+
+* ``vllm.v1.engine.output_processor.RequestState.make_request_output``: remember the message
+  of our failures by external request id (offline users read it from ``stop_reason`` with
+  :func:`vllm_artifact.client.r3_failure`);
+* ``GenerateBaseServing._raise_if_error`` (``vllm/entrypoints/generate/base/serving.py``):
+  raise vLLM's ``GenerationError`` (HTTP 500) with that message instead of the generic one.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+from vllm.exceptions import GenerationError
+from vllm.v1.engine import FinishReason
+from vllm.v1.engine.output_processor import RequestState
+
+from vllm_artifact.client.failures import r3_failure
+
+for _owner, _name in (
+    (RequestState, "make_request_output"),
+    (GenerateBaseServing, "_raise_if_error"),
+):
+    assert hasattr(_owner, _name), (
+        f"{_owner.__module__}.{_owner.__name__}.{_name} is gone; update vllm-artifact's "
+        "request_errors hook"
+    )
+
+_MARK = "__vllm_artifact_wrapped__"
+_MAX_REMEMBERED = 4096
+
+
+class _FailureMessages:
+    """Messages of recently failed requests by external request id (bounded, thread-safe)."""
+
+    def __init__(self) -> None:
+        self._messages: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, request_id: str, message: str) -> None:
+        with self._lock:
+            self._messages[request_id] = message
+            while len(self._messages) > _MAX_REMEMBERED:
+                self._messages.popitem(last=False)
+
+    def take(self, request_id: str) -> str | None:
+        """The message for ``request_id`` or one of its per-prompt ids (``<id>-<n>``)."""
+        with self._lock:
+            for key in (request_id, *(k for k in self._messages if k.startswith(request_id + "-"))):
+                if key in self._messages:
+                    return self._messages.pop(key)
+        return None
+
+
+FAILURES = _FailureMessages()
+
+
+def _wrap_make_request_output(original: Any) -> Any:
+    @functools.wraps(original)
+    def make_request_output(
+        self: Any,
+        new_token_ids: Any,
+        pooling_output: Any,
+        finish_reason: Any,
+        stop_reason: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if finish_reason == FinishReason.ERROR:
+            failure = r3_failure(stop_reason)
+            if failure is not None:
+                FAILURES.remember(self.external_req_id, failure.message)
+        return original(
+            self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs
+        )
+
+    return make_request_output
+
+
+def _wrap_raise_if_error(original: Any) -> Any:
+    @functools.wraps(original)
+    def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
+        if finish_reason == "error":
+            message = FAILURES.take(request_id)
+            if message is not None:
+                raise GenerationError(message)
+        original(self, finish_reason, request_id)
+
+    return _raise_if_error
+
+
+def install() -> None:
+    for owner, name, wrap in (
+        (RequestState, "make_request_output", _wrap_make_request_output),
+        (GenerateBaseServing, "_raise_if_error", _wrap_raise_if_error),
+    ):
+        current = owner.__dict__[name]
+        if getattr(current, _MARK, False):
+            continue
+        wrapped = wrap(current)
+        setattr(wrapped, _MARK, True)
+        setattr(owner, name, wrapped)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,14 @@ def shutdown_llm(llm: Any) -> None:
 @pytest.fixture(scope="session")
 def shutdown_engine() -> Any:
     return shutdown_llm
+
+
+@pytest.fixture(scope="module")
+def store_root() -> Iterator[Path]:
+    """A private store root under /dev/shm for one module's engines, removed afterwards."""
+    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,13 @@ pass of the same weights.
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from vllm import SamplingParams
+from vllm_artifact_testing.engine_probe import connector_stats, executed_tokens
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
@@ -29,30 +27,6 @@ PROMPT_ONE = " ".join(f"Block {i} of the first prompt goes to expert {i % 8}." f
 PROMPT_TWO = " ".join(f"Another text {i} that shares no prefix, layer {i % 4}." for i in range(24))
 
 
-def connector_stats(llm: Any) -> dict[str, int]:
-    """Read the rank-zero worker connector's counters through vLLM's RPC."""
-
-    def stats(worker: Any) -> dict[str, int]:
-        connector = worker.model_runner.aux_output_connector
-        if connector is None or connector.store is None:
-            return {}
-        store_stats = connector.store.stats()
-        return {"reads": connector.reads, "objects": store_stats.objects}
-
-    return next(s for s in llm.collective_rpc(stats) if s)
-
-
-def executed(output: Any) -> list[int]:
-    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
-
-
-@pytest.fixture(scope="module")
-def store_root() -> Iterator[Path]:
-    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def llm(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
     return llm_factory(model_a, artifact_root=str(store_root), max_num_seqs=4)
@@ -61,7 +35,7 @@ def llm(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
 def test_prefix_hit_is_served_from_the_store(llm: Any, model_a: Path) -> None:
     first = llm.generate([PROMPT_ONE], GREEDY)[0]
     assert_routing_matches(
-        first.outputs[0].routed_experts, hf_router_topk(model_a, executed(first))
+        first.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(first))
     )
     before = connector_stats(llm)
     assert before["objects"] >= len(first.prompt_token_ids) // 32
@@ -71,7 +45,7 @@ def test_prefix_hit_is_served_from_the_store(llm: Any, model_a: Path) -> None:
     after = connector_stats(llm)
     assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
     assert_routing_matches(
-        again.outputs[0].routed_experts, hf_router_topk(model_a, executed(again))
+        again.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(again))
     )
     np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
 
@@ -88,7 +62,7 @@ def test_corrupt_object_fails_that_request_only(llm: Any, model_a: Path, store_r
     # The other request of the same batch is untouched and the engine goes on.
     assert fresh.outputs[0].finish_reason == "length"
     assert_routing_matches(
-        fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed(fresh))
+        fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(fresh))
     )
 
 
@@ -105,7 +79,7 @@ def test_deleted_object_fails_closed_and_engine_keeps_serving(
     later = llm.generate(["A short prompt after the failure."], GREEDY)[0]
     assert later.outputs[0].finish_reason == "length"
     assert_routing_matches(
-        later.outputs[0].routed_experts, hf_router_topk(model_a, executed(later))
+        later.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(later))
     )
 
 
@@ -125,7 +99,7 @@ def test_weight_version_change_never_reuses_old_objects(llm: Any, model_a: Path)
         fresh = llm.generate([prompt], GREEDY)[0]
         assert fresh.outputs[0].finish_reason == "length"
         assert_routing_matches(
-            fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed(fresh))
+            fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(fresh))
         )
     finally:
         llm.llm_engine.set_weight_version("default")

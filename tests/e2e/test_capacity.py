@@ -7,42 +7,17 @@ from the store; nothing fails and the store never grows past its capacity.
 
 from __future__ import annotations
 
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm import SamplingParams
+from vllm_artifact_testing.engine_probe import connector_stats, executed_tokens
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 
 pytestmark = pytest.mark.engine
 
 KV_BLOCKS = 64
-
-
-def connector_stats(llm: Any) -> dict[str, int]:
-    def stats(worker: Any) -> dict[str, int]:
-        connector = worker.model_runner.aux_output_connector
-        if connector is None or connector.store is None:
-            return {}
-        s = connector.store.stats()
-        return {
-            "reads": connector.reads,
-            "bytes_used": s.bytes_used,
-            "capacity_bytes": s.capacity_bytes,
-            "evictions": s.evictions,
-        }
-
-    return next(s for s in llm.collective_rpc(stats) if s)
-
-
-@pytest.fixture(scope="module")
-def store_root() -> Iterator[Path]:
-    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_serving_ten_times_the_capacity(model_a: Path, store_root: Path, llm_factory: Any) -> None:
@@ -77,5 +52,5 @@ def test_serving_ten_times_the_capacity(model_a: Path, store_root: Path, llm_fac
     assert stats["evictions"] > 0
     assert stats["reads"] > 0, "repeats must have been served from the store"
     for output in outputs[-6:]:
-        tokens = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+        tokens = executed_tokens(output)
         assert_routing_matches(output.outputs[0].routed_experts, hf_router_topk(model_a, tokens))

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from vllm import SamplingParams
+from vllm_artifact_testing.engine_probe import executed_tokens
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 
 pytestmark = pytest.mark.engine
@@ -27,11 +28,6 @@ SHORT_PROMPTS = [
     "Hello, world! How are you today?",
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-def executed_tokens(output: Any) -> list[int]:
-    """Tokens that went through a forward pass: the prompt and all generated but the last."""
-    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
 
 
 def check_against_oracle(model: Path, output: Any) -> np.ndarray:

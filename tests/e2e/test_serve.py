@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +19,10 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def store_root_a() -> Iterator[Path]:
-    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def server_a(model_a: Path, store_root_a: Path) -> Iterator[RunningServer]:
+def server_a(model_a: Path, store_root: Path) -> Iterator[RunningServer]:
     # --enable-scale-out serves the token-in/token-out endpoint (/inference/v1/generate).
     args = ["--enable-routed-experts", "--enable-prompt-tokens-details", "--enable-scale-out"]
-    with vllm_server(model_a, [*args, "--artifact-root", str(store_root_a)]) as server:
+    with vllm_server(model_a, [*args, "--artifact-root", str(store_root)]) as server:
         yield server
 
 
@@ -173,13 +164,13 @@ def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a
 
 
 def test_corrupt_store_fails_one_request_with_a_clear_http_error(
-    server_a: RunningServer, model_a: Path, store_root_a: Path
+    server_a: RunningServer, model_a: Path, store_root: Path
 ) -> None:
     """Runs last in this module: it corrupts every object of server_a's store."""
     prompt = " ".join(f"Corruption test sentence {i}." for i in range(30))
     body = {"model": str(model_a), "prompt": prompt, "max_tokens": 4, "temperature": 0}
     post(server_a, "/v1/completions", body)
-    flip_in_every_slot(store_root_a, where="payload")
+    flip_in_every_slot(store_root, where="payload")
     reply = requests.post(server_a.base_url + "/v1/completions", json=body, timeout=300)
     assert reply.status_code == 500, reply.text
     message = reply.json()["error"]["message"]

@@ -1,0 +1,30 @@
+"""Look inside a running offline engine from a test: connector counters, executed tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def connector_stats(llm: Any) -> dict[str, int]:
+    """Counters of the rank-zero worker connector, read through vLLM's ``collective_rpc``
+    (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to send the function to the workers)."""
+
+    def stats(worker: Any) -> dict[str, int]:
+        connector = worker.model_runner.aux_output_connector
+        if connector is None or connector.store is None:
+            return {}
+        store = connector.store.stats()
+        return {
+            "reads": connector.reads,
+            "objects": store.objects,
+            "bytes_used": store.bytes_used,
+            "capacity_bytes": store.capacity_bytes,
+            "evictions": store.evictions,
+        }
+
+    return next(s for s in llm.collective_rpc(stats) if s)
+
+
+def executed_tokens(output: Any) -> list[int]:
+    """Tokens that went through a forward pass: the prompt and all generated but the last."""
+    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]

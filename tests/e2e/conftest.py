@@ -62,6 +62,7 @@ def shutdown_engine() -> Any:
 def store_root() -> Iterator[Path]:
     """A private store root under /dev/shm for one module's engines, removed afterwards."""
     root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
+    root.mkdir(mode=0o700)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 

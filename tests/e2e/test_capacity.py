@@ -28,27 +28,30 @@ def test_serving_ten_times_the_capacity(model_a: Path, store_root: Path, llm_fac
         max_num_seqs=4,
         max_model_len=1024,
     )
-    capacity = connector_stats(llm)["capacity_bytes"]
-    row_nbytes = 4 * 2  # layers x top_k, uint8
+    # Capacity in tokens of R3 payload (the arena file also holds headers and the index).
+    capacity_tokens = connector_stats(llm)["capacity_objects"] * 32
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     served_tokens = 0
-    max_used = 0
-    history: list[str] = []
+    max_objects = 0
+    previous: list[str] = []
     outputs = []
-    for i in range(400):
-        if served_tokens * row_nbytes >= 10 * capacity:
+    for i in range(200):
+        if served_tokens >= 10 * capacity_tokens:
             break
-        prompt = " ".join(f"Request {i} sentence {j} routes to {i * j % 8}." for j in range(12))
-        batch = [prompt, *history[-1:]]  # a new prompt plus a repeat of the previous one
-        history.append(prompt)
-        for output in llm.generate(batch, greedy):
+        fresh = [
+            " ".join(f"Request {i}.{k} sentence {j} routes to {i * j % 8}." for j in range(12))
+            for k in range(3)
+        ]
+        # New prompts plus repeats of the previous round's: the repeats hit the KV cache.
+        for output in llm.generate(fresh + previous, greedy):
             assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
             served_tokens += len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
             outputs.append(output)
-        max_used = max(max_used, connector_stats(llm)["bytes_used"])
+        previous = fresh
+        max_objects = max(max_objects, connector_stats(llm)["objects"])
     stats = connector_stats(llm)
-    assert served_tokens * row_nbytes >= 10 * capacity
-    assert max_used <= capacity
+    assert served_tokens >= 10 * capacity_tokens
+    assert max_objects <= stats["capacity_objects"]
     assert stats["evictions"] > 0
     assert stats["reads"] > 0, "repeats must have been served from the store"
     for output in outputs[-6:]:

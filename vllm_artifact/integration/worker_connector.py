@@ -37,6 +37,7 @@ from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore, check_shm_space
+from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.errors import ArtifactError, WriterConflictError
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
@@ -162,21 +163,25 @@ class ArtifactWorkerConnector:
             hash_block_size,
             self._namespace.describe(),
         )
-        if config.capacity != "auto" and capacity < kv_hash_blocks * self._layout.block_nbytes:
+        slots = self._store.geometry.slot_count
+        if slots < kv_hash_blocks:
             logger.warning(
-                "vllm-artifact: --artifact-capacity %.1f MiB is below the R3 of the %d blocks "
-                "the KV cache can hold (%.1f MiB): a prefix hit on an evicted object fails that "
-                "request; raise --artifact-capacity to avoid it",
+                "vllm-artifact: --artifact-capacity %.1f MiB holds %d R3 blocks but the KV cache "
+                "can hold %d: a prefix hit on an evicted object fails that request; raise "
+                "--artifact-capacity (or use auto) to avoid it",
                 capacity / 2**20,
+                slots,
                 kv_hash_blocks,
-                kv_hash_blocks * self._layout.block_nbytes / 2**20,
             )
 
     # --------------------------------------------------------------- startup
 
     def _capacity(self, config: ArtifactConfig, kv_hash_blocks: int) -> int:
+        """Arena bytes: ``auto`` fits ``AUTO_CAPACITY_FACTOR`` objects per KV block, with the
+        store's own index and header overhead included."""
         if config.capacity == "auto":
-            return AUTO_CAPACITY_FACTOR * kv_hash_blocks * self._layout.block_nbytes
+            slots = AUTO_CAPACITY_FACTOR * kv_hash_blocks
+            return ArenaGeometry(self._layout, slots).file_nbytes
         return int(config.capacity)
 
     def _open_store(self, config: ArtifactConfig, capacity: int, dp_rank: int) -> ShmStore:

@@ -18,7 +18,8 @@ def connector_stats(llm: Any) -> dict[str, int]:
             "reads": connector.reads,
             "objects": store.objects,
             "bytes_used": store.bytes_used,
-            "capacity_bytes": store.capacity_bytes,
+            "capacity_bytes": store.capacity_bytes,  # the arena file, overhead included
+            "capacity_objects": store.capacity_objects,
             "evictions": store.evictions,
         }
 

@@ -1,0 +1,108 @@
+"""Runtime combinations on the real engine (issue 5 cells that exercise our own code).
+
+* Tensor parallelism 2: every rank captures, rank zero alone owns the store; R3 equals TP=1.
+* A KV connector with ``kv_role=kv_both`` (vLLM's ExampleConnector, KV saved on disk) after an
+  engine restart: the prefix arrives as an *external* KV hit, and its R3 comes from the store
+  that outlived the first engine (vLLM's in-process store dies here).
+* Preemption under a KV cache too small for the batch: recomputed rows replace what was
+  buffered, and every completion still equals the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm_artifact_testing.engine_probe import connector_stats, executed_tokens
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+
+pytestmark = pytest.mark.engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPT = " ".join(f"Matrix sentence {i} picks expert {i * 3 % 8}." for i in range(24))
+
+
+def check(model: Path, output: Any) -> None:
+    assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
+    assert_routing_matches(
+        output.outputs[0].routed_experts, hf_router_topk(model, executed_tokens(output))
+    )
+
+
+def test_tensor_parallel_2_rank_zero_alone_writes(
+    model_a: Path, store_root: Path, llm_factory: Any
+) -> None:
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    # Two CPU workers on two cores must be bound by hand (vLLM's automatic binding needs NUMA).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        llm = llm_factory(model_a, artifact_root=str(store_root / "tp2"), tensor_parallel_size=2)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+
+    def roles(worker: Any) -> tuple[bool, bool]:
+        connector = worker.model_runner.aux_output_connector
+        return connector is not None, connector.store is not None
+
+    assert sorted(llm.collective_rpc(roles)) == [(True, False), (True, True)]
+    first, again = (llm.generate([PROMPT], GREEDY)[0] for _ in range(2))
+    check(model_a, first)
+    check(model_a, again)
+    assert again.num_cached_tokens >= 32
+    assert connector_stats(llm)["reads"] == again.num_cached_tokens // 32
+
+
+def test_external_kv_hit_after_restart_is_served_from_the_store(
+    model_a: Path, store_root: Path, tmp_path: Path, llm_factory: Any, shutdown_engine: Any
+) -> None:
+    kv_transfer_config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
+    }
+    settings = {
+        "artifact_root": str(store_root / "restart"),
+        "kv_transfer_config": kv_transfer_config,
+    }
+    first_engine = llm_factory(model_a, **settings)
+    first = first_engine.generate([PROMPT], GREEDY)[0]
+    check(model_a, first)
+    shutdown_engine(first_engine)
+
+    second_engine = llm_factory(model_a, **settings)
+    before = connector_stats(second_engine)["reads"]
+    again = second_engine.generate([PROMPT], GREEDY)[0]
+    check(model_a, again)
+    assert connector_stats(second_engine)["reads"] > before, "prefix R3 must come from the store"
+    assert (again.outputs[0].routed_experts == first.outputs[0].routed_experts).all()
+
+
+def test_preemption_recompute_matches_oracle(
+    model_a: Path, store_root: Path, llm_factory: Any
+) -> None:
+    # 16 KV blocks of 32 tokens hold 512 tokens; four requests growing to ~230 tokens each
+    # cannot all stay resident, so the scheduler preempts and later recomputes.
+    llm = llm_factory(
+        model_a,
+        artifact_root=str(store_root / "preempt"),
+        num_gpu_blocks_override=16,
+        max_num_seqs=4,
+        max_model_len=384,
+        disable_log_stats=False,
+    )
+    prompts = [
+        " ".join(f"Request {r} sentence {i} for preemption." for i in range(10)) for r in range(4)
+    ]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    preemptions = sum(
+        metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"
+    )
+    assert preemptions > 0, "the KV cache was meant to force preemption"
+    for output in outputs:
+        check(model_a, output)

@@ -18,7 +18,7 @@ from vllm.distributed.aux_output_connector.connector import (
 # A request whose R3 cannot be delivered completely: the scheduler finishes it with an error.
 # ``reason`` is the error's short reason (``missing``, ``corrupt``, ...); ``message`` says what
 # happened and what to do. It reaches the frontend in ``stop_reason``.
-from vllm_artifact.client.failures import R3Failure as RequestFailure
+from vllm_artifact.core.failure import R3Failure as RequestFailure
 
 __all__ = ["ArtifactStepMetadata", "AuxRequestOutput", "RequestFailure", "StepOutput"]
 

@@ -23,7 +23,7 @@ from vllm.exceptions import GenerationError
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import RequestState
 
-from vllm_artifact.client.failures import r3_failure
+from vllm_artifact.core.failure import r3_failure
 
 for _owner, _name in (
     (RequestState, "make_request_output"),

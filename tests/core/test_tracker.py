@@ -1,0 +1,176 @@
+"""RequestTracker: rank zero's capture -> buffer -> publish -> emit rules, without an engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from vllm_artifact.core.failure import R3Failure
+from vllm_artifact.core.keys import full_block_keys
+from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.store import ShmStore
+from vllm_artifact.core.tracker import EmittedRows, RequestTracker, StepRows
+
+from .conftest import rows_for
+
+BS = 16  # block size of the SMALL layout
+
+
+@pytest.fixture
+def tracker(shm_root: str, layout: R3Layout) -> Iterator[tuple[RequestTracker, ShmStore]]:
+    store = ShmStore.create_or_open_writer(
+        shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
+    )
+    publisher = BackgroundPublisher(store)
+    yield RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20), store
+    publisher.close()
+    store.close()
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i}".encode().ljust(32, b".") for i in range(n)]
+
+
+def step(
+    t: RequestTracker, request_id: str, start: int, rows: np.ndarray, *, sampled: bool = True
+) -> EmittedRows | R3Failure | None:
+    t.step_started([request_id])
+    return t.step_finished([StepRows(request_id, start, len(rows), rows, sampled)]).get(request_id)
+
+
+def test_chunked_prefill_then_decode_emits_every_row_once_and_publishes_keyed_blocks(
+    shm_root: str, layout: R3Layout
+) -> None:
+    store = ShmStore.create_or_open_writer(
+        shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
+    )
+    publisher = BackgroundPublisher(store)
+    t = RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20)
+    rows = rows_for(layout, 1, 40)
+    t.admit("a", 0)
+    t.add_block_hashes("a", hashes("a", 2))  # the prompt's full blocks are known up front
+    assert step(t, "a", 0, rows[:20], sampled=False) is None  # prefill chunk: nothing emitted
+    first = step(t, "a", 20, rows[20:36])  # last chunk samples: rows 0..35
+    assert isinstance(first, EmittedRows) and first.token_start == 0
+    np.testing.assert_array_equal(first.rows, rows[:36])
+    for i in range(36, 40):  # decode: one row per step
+        out = step(t, "a", i, rows[i : i + 1])
+        assert isinstance(out, EmittedRows) and out.token_start == i
+        np.testing.assert_array_equal(out.rows, rows[i : i + 1])
+    keys = full_block_keys(t.namespace, hashes("a", 2))
+    publisher.flush()
+    out_rows = layout.empty(2 * BS)
+    store.read_into(keys, out_rows)
+    np.testing.assert_array_equal(out_rows, rows[: 2 * BS])
+    publisher.close()
+    store.close()
+
+
+def test_prefix_hit_rows_come_from_the_store(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    rows = rows_for(layout, 2, 2 * BS + 5)
+    t.admit("a", 0)
+    t.add_block_hashes("a", hashes("p", 2))
+    step(t, "a", 0, rows)
+    t.finish("a")
+    # Request b has the same prompt: the KV cache serves 2 blocks, b computes only the rest.
+    t.admit("b", 0)
+    t.add_block_hashes("b", hashes("p", 2))
+    out = step(t, "b", 2 * BS, rows[2 * BS :])
+    assert isinstance(out, EmittedRows) and out.token_start == 0
+    np.testing.assert_array_equal(out.rows, rows)
+    assert t.reads == 2
+
+
+def test_missing_object_fails_only_that_request(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    t.admit("hit", 0)
+    t.add_block_hashes("hit", hashes("never-published", 1))
+    t.admit("ok", 0)
+    t.step_started(["hit", "ok"])
+    results = t.step_finished(
+        [
+            StepRows("hit", BS, 3, rows_for(layout, 3, 3), True),
+            StepRows("ok", 0, 3, rows_for(layout, 4, 3), True),
+        ]
+    )
+    failure = results["hit"]
+    assert isinstance(failure, R3Failure) and failure.reason == "missing"
+    assert "Increase --artifact-capacity" in failure.message
+    assert isinstance(results["ok"], EmittedRows)
+    # The failure is reported once; later steps of the failed request return nothing.
+    assert step(t, "hit", BS + 3, rows_for(layout, 5, 1)) is None
+
+
+def test_missing_after_weight_update_says_to_reset_the_prefix_cache(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    rows = rows_for(layout, 6, BS + 2)
+    t.admit("a", 0)
+    t.add_block_hashes("a", hashes("w", 1))
+    step(t, "a", 0, rows)
+    t.finish("a")
+    assert t.set_weight_version("v2")
+    t.admit("b", 0)
+    t.add_block_hashes("b", hashes("w", 1))  # same tokens, keys under the new version
+    failure = step(t, "b", BS, rows[BS:])
+    assert isinstance(failure, R3Failure) and failure.reason == "missing"
+    assert "reset the prefix cache" in failure.message
+
+
+def test_optimistic_step_after_rejected_drafts_reattaches(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    rows = rows_for(layout, 7, 12)
+    t.admit("a", 0)
+    step(t, "a", 0, rows[:8])
+    # Step scheduled 1 token + 3 drafts at 8; 2 drafts were rejected (caller cut them).
+    t.step_started(["a"])
+    out = t.step_finished([StepRows("a", 8, 4, rows[8:10], True)])["a"]
+    assert isinstance(out, EmittedRows) and out.token_start == 8
+    # Async scheduling planned the next step from 12 (all drafts accepted), the model ran it
+    # from 10: rows continue right after the last captured one.
+    out = step(t, "a", 12, rows[10:12])
+    assert isinstance(out, EmittedRows) and out.token_start == 10
+    np.testing.assert_array_equal(out.rows, rows[10:12])
+
+
+def test_a_real_gap_fails_the_request(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    t.admit("a", 0)
+    step(t, "a", 0, rows_for(layout, 8, 4))
+    failure = step(t, "a", 9, rows_for(layout, 9, 1))
+    assert isinstance(failure, R3Failure) and "never captured" in failure.message
+
+
+def test_malformed_rows_fail_the_request_instead_of_raising(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    t.admit("a", 0)
+    failure = step(t, "a", 0, np.zeros((3, 2, 2), dtype=np.uint8))
+    assert isinstance(failure, R3Failure)
+
+
+def test_finish_waits_for_steps_in_flight(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    t.admit("a", 0)
+    t.step_started(["a"])
+    t.finish("a")  # aborted while its step runs
+    assert "a" in t
+    out = t.step_finished([StepRows("a", 0, 2, rows_for(layout, 10, 2), True)])
+    assert isinstance(out["a"], EmittedRows)
+    assert "a" not in t

@@ -1,0 +1,289 @@
+"""Rank zero's per-request R3 bookkeeping: capture -> buffer -> publish -> emit (pure Python).
+
+The vLLM worker connector feeds this class the facts of each engine step and gets back, per
+request, the rows to hand to the scheduler (or a failure). It is free of vLLM so every rule
+below is unit-tested without an engine:
+
+* rows are tracked by request and logical token index; a request may start at a non-zero token
+  (the KV cache served its prefix) and recomputed tokens replace what was captured before;
+* a complete block is published once its KV block hash is known (hashes of generated tokens
+  arrive a step after their block completes), on the background publisher, never inline;
+* rows are emitted once per sampled step; rows the KV cache served are read from the store
+  after flushing the publisher (so a block completed by another request is durable first);
+* any error for one request becomes an :class:`R3Failure` for that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from vllm_artifact.core.buffer import RequestRowBuffer
+from vllm_artifact.core.failure import R3Failure
+from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
+from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.store.contract import ObjectStore
+from vllm_artifact.errors import ArtifactError
+
+__all__ = ["EmittedRows", "RequestTracker", "StepRows"]
+
+logger = logging.getLogger("vllm.artifact.tracker")
+
+
+class StepRows(NamedTuple):
+    """One request's share of an engine step."""
+
+    request_id: str
+    token_start: int  # the scheduler's first token of this step (may be optimistic, see below)
+    num_scheduled: int  # tokens scheduled this step (drafts included)
+    rows: np.ndarray  # captured rows with rejected draft tokens already cut off
+    sampled: bool  # the step sampled a token for this request (the scheduler takes rows)
+
+
+class EmittedRows(NamedTuple):
+    """Rows for tokens ``[token_start, token_start + len(rows))``."""
+
+    token_start: int
+    rows: np.ndarray
+
+
+@dataclass
+class _Track:
+    emit_cursor: int  # first token whose row the scheduler has not received yet
+    keys: list[ObjectKey] = field(default_factory=list)  # block i -> keys[i]
+    unkeyed: dict[int, np.ndarray] = field(default_factory=dict)  # complete blocks, no hash yet
+    pending_start: int | None = None  # token of the first captured, unemitted row
+    pending: list[np.ndarray] = field(default_factory=list)
+    capture_end: int | None = None  # token after the last captured row
+    scheduled_end: int = 0  # the scheduler's (possibly optimistic) end of the last step
+    in_flight: int = 0  # steps started but not finished
+    finished: bool = False
+    failure: R3Failure | None = None
+    failure_sent: bool = False
+
+    def pending_rows(self) -> int:
+        return sum(len(rows) for rows in self.pending)
+
+
+class RequestTracker:
+    """Per-request state of the single R3 writer (not thread-safe: the caller serializes)."""
+
+    def __init__(
+        self,
+        layout: R3Layout,
+        model_id: str,
+        store: ObjectStore,
+        publisher: BackgroundPublisher,
+        *,
+        buffer_max_bytes: int,
+    ) -> None:
+        self._layout = layout
+        self._model_id = model_id
+        self._store = store
+        self._publisher = publisher
+        self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes)
+        self._tracks: dict[str, _Track] = {}
+        self.namespace = Namespace(model_id, layout, "default")
+        self.reads = 0  # objects read for KV-cache hits
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._tracks
+
+    # ------------------------------------------------------------ scheduler facts
+
+    def set_weight_version(self, weight_version: str) -> bool:
+        """Key later blocks under ``weight_version``; True if it changed."""
+        if weight_version == self.namespace.weight_version:
+            return False
+        self.namespace = Namespace(self._model_id, self._layout, weight_version)
+        return True
+
+    def reset(self) -> None:
+        """Forget every request (vLLM reset its prefix cache, with nothing in flight)."""
+        for request_id in list(self._tracks):
+            self._teardown(request_id)
+
+    def admit(self, request_id: str, emit_start: int) -> None:
+        """A scheduled request; rows before ``emit_start`` are never returned."""
+        if request_id not in self._tracks:
+            self._tracks[request_id] = _Track(emit_cursor=int(emit_start))
+
+    def add_block_hashes(self, request_id: str, block_hashes: Iterable[bytes]) -> None:
+        """KV block hashes of the request's next full blocks, in order."""
+        track = self._tracks.get(request_id)
+        if track is None:
+            return
+        track.keys.extend(full_block_keys(self.namespace, block_hashes))
+        self._submit(self._keyed_blocks(track))
+
+    def finish(self, request_id: str) -> None:
+        """Finished, aborted or preempted: unpublished rows go once no step covers it."""
+        track = self._tracks.get(request_id)
+        if track is None:
+            return
+        track.finished = True
+        if track.in_flight == 0:
+            self._teardown(request_id)
+
+    # ---------------------------------------------------------------- the step
+
+    def step_started(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            track = self._tracks.get(request_id)
+            if track is None:
+                track = self._tracks[request_id] = _Track(emit_cursor=0)
+                track.failure = R3Failure(
+                    "internal",
+                    f"R3 for request {request_id}: scheduled without its metadata; its R3 "
+                    "cannot be trusted (an internal error of vllm-artifact: please report it)",
+                )
+            track.in_flight += 1
+
+    def step_finished(self, step: Sequence[StepRows]) -> dict[str, EmittedRows | R3Failure]:
+        """Record one finished step; returns each request's new rows or its failure."""
+        outputs: dict[str, EmittedRows | R3Failure] = {}
+        to_emit: list[tuple[str, _Track, int]] = []
+        ready: list[BlockRun] = []
+        for entry in step:
+            track = self._tracks[entry.request_id]
+            track.in_flight -= 1
+            if track.failure is not None:
+                continue
+            try:
+                token_end = self._capture(entry, track)
+                ready += self._keyed_blocks(track)
+            except Exception as error:  # one request's fault must not stop the engine
+                self._fail(entry.request_id, track, error)
+            else:
+                if entry.sampled and track.emit_cursor <= token_end:
+                    to_emit.append((entry.request_id, track, token_end))
+        # Publish first: a request of this step may hit a block another one just completed.
+        self._submit(ready)
+        for request_id, track, token_end in to_emit:
+            try:
+                outputs[request_id] = self._emit(track, token_end)
+            except Exception as error:
+                self._fail(request_id, track, error)
+        for entry in step:
+            track_or_none = self._tracks.get(entry.request_id)
+            if track_or_none is None:
+                continue
+            track = track_or_none
+            if track.failure is not None and not track.failure_sent:
+                outputs[entry.request_id] = track.failure
+                track.failure_sent = True
+            if track.finished and track.in_flight == 0:
+                self._teardown(entry.request_id)
+        return outputs
+
+    # -------------------------------------------------------------- internals
+
+    def _capture(self, entry: StepRows, track: _Track) -> int:
+        """Buffer one step's rows of a request; returns the token after the last row."""
+        token_start = entry.token_start
+        if track.capture_end is not None and token_start > track.capture_end:
+            # Async scheduling planned this step before the previous step's rejected drafts
+            # were known; the model ran it from the true position, right after our last row.
+            if track.capture_end >= track.scheduled_end:
+                raise ArtifactError(
+                    f"R3 rows for tokens {track.capture_end}..{token_start} were never captured"
+                )
+            token_start = track.capture_end
+        track.scheduled_end = token_start + entry.num_scheduled
+        rows = entry.rows
+        self._buffer.append(entry.request_id, token_start, rows)
+        token_end = token_start + len(rows)
+        if track.pending_start is None:
+            track.pending_start = token_start
+        elif token_start < track.pending_start + track.pending_rows():
+            # Recomputed tokens replace what was captured before.
+            keep = max(token_start - track.pending_start, 0)
+            merged = np.concatenate(track.pending) if track.pending else rows[:0]
+            track.pending = [merged[:keep]]
+        track.pending.append(rows)
+        track.capture_end = token_end
+        blocks = self._buffer.take_full_blocks(entry.request_id)
+        for i in range(blocks.num_blocks):
+            track.unkeyed[blocks.first_block + i] = blocks.block(i, self._layout.block_size)
+        return token_end
+
+    def _keyed_blocks(self, track: _Track) -> list[BlockRun]:
+        """Complete blocks whose KV block hash has arrived, as runs of consecutive blocks."""
+        ready = sorted(index for index in track.unkeyed if index < len(track.keys))
+        runs: list[BlockRun] = []
+        bs = self._layout.block_size
+        while ready:
+            first = end = ready.pop(0)
+            while ready and ready[0] == end + 1:
+                end = ready.pop(0)
+            blocks = [track.unkeyed.pop(index) for index in range(first, end + 1)]
+            rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+            runs.append(BlockRun(track.keys[first : end + 1], rows, first * bs))
+        return runs
+
+    def _submit(self, runs: list[BlockRun]) -> None:
+        if runs:
+            self._publisher.submit(runs)
+
+    def _emit(self, track: _Track, token_end: int) -> EmittedRows:
+        """Rows ``[emit_cursor, token_end)``: store rows for a prefix hit, then captured rows."""
+        emit_start = track.emit_cursor
+        assert track.pending_start is not None
+        parts: list[np.ndarray] = []
+        if emit_start < track.pending_start:
+            parts.append(self._read_span(track, emit_start, track.pending_start))
+            base = emit_start
+        else:
+            base = track.pending_start
+        parts += track.pending
+        rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        rows = rows[emit_start - base : token_end - base]
+        track.pending = []
+        track.pending_start = token_end
+        track.emit_cursor = token_end
+        return EmittedRows(emit_start, rows)
+
+    def _read_span(self, track: _Track, start: int, end: int) -> np.ndarray:
+        """Rows ``[start, end)`` from the store (KV-cache hits; fails closed)."""
+        bs = self._layout.block_size
+        first, last = start // bs, -(-end // bs)
+        if last > len(track.keys):
+            raise ArtifactError(
+                f"the KV cache served tokens up to {end} but only {len(track.keys) * bs} have "
+                "block hashes; R3 for them cannot be located"
+            )
+        self._publisher.flush()
+        out = self._layout.empty((last - first) * bs)
+        self._store.read_into(track.keys[first:last], out, token_start=first * bs)
+        self.reads += last - first
+        return out[start - first * bs : end - first * bs]
+
+    def _fail(self, request_id: str, track: _Track, error: Exception) -> None:
+        """Fail this request closed; typed store errors say why, anything else is a bug."""
+        reason = error.reason if isinstance(error, ArtifactError) else "internal"
+        message = f"R3 (routed experts) for request {request_id} is unavailable ({reason}): {error}"
+        if not isinstance(error, ArtifactError):
+            logger.exception("vllm-artifact: unexpected error for request %s", request_id)
+            message += " (an internal error of vllm-artifact: please report it)"
+        if reason == "missing" and self.namespace.weight_version != "default":
+            message += (
+                f" The weight version is now {self.namespace.weight_version!r}: tokens the KV "
+                "cache kept from older weights have no R3 under it; reset the prefix cache "
+                "after every weight update (POST /reset_prefix_cache, LLM.reset_prefix_cache())."
+            )
+        logger.error("vllm-artifact: %s", message)
+        track.failure = R3Failure(reason, message)
+        track.pending = []
+        if request_id in self._buffer:
+            self._buffer.drop(request_id)
+
+    def _teardown(self, request_id: str) -> None:
+        """Forget a finished or aborted request: unpublished rows go, published blocks stay."""
+        self._tracks.pop(request_id, None)
+        if request_id in self._buffer:
+            self._buffer.drop(request_id)

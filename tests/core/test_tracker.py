@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_artifact.core.failure import R3Failure
-from vllm_artifact.core.keys import full_block_keys
+from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
@@ -174,3 +174,38 @@ def test_finish_waits_for_steps_in_flight(
     out = t.step_finished([StepRows("a", 0, 2, rows_for(layout, 10, 2), True)])
     assert isinstance(out["a"], EmittedRows)
     assert "a" not in t
+
+
+def test_normal_finish_publishes_the_terminal_partial_block(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, store = tracker
+    rows = rows_for(layout, 11, BS + 5)
+    t.admit("a", 0)
+    t.add_block_hashes("a", hashes("t", 1))
+    step(t, "a", 0, rows)
+    t.finish("a", tail=(b"tail-hash".ljust(32, b"."), 5))
+    assert t.tails_published == 1
+    t.admit("b", 0)  # a later request's read flushes the publisher
+    t.add_block_hashes("b", hashes("t", 1))
+    step(t, "b", BS, rows[BS:])
+    key = tail_block_key(t.namespace, b"tail-hash".ljust(32, b"."), 5)
+    (tail,) = store.get([key])
+    np.testing.assert_array_equal(tail, rows[BS:])
+
+
+def test_abort_keeps_published_blocks_and_drops_the_rest(
+    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+) -> None:
+    t, _ = tracker
+    rows = rows_for(layout, 12, BS + 5)
+    t.admit("a", 0)
+    t.add_block_hashes("a", hashes("x", 1))
+    step(t, "a", 0, rows)
+    t.finish("a")  # aborted: no tail
+    assert t.tails_published == 0 and "a" not in t
+    t.admit("b", 0)
+    t.add_block_hashes("b", hashes("x", 1))
+    out = step(t, "b", BS, rows[BS:])
+    assert isinstance(out, EmittedRows)
+    np.testing.assert_array_equal(out.rows, rows)

@@ -24,7 +24,7 @@ import numpy as np
 
 from vllm_artifact.core.buffer import RequestRowBuffer
 from vllm_artifact.core.failure import R3Failure
-from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys
+from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
@@ -63,6 +63,7 @@ class _Track:
     scheduled_end: int = 0  # the scheduler's (possibly optimistic) end of the last step
     in_flight: int = 0  # steps started but not finished
     finished: bool = False
+    tail: tuple[bytes, int] | None = None  # (tail hash, tokens) to publish at teardown
     failure: R3Failure | None = None
     failure_sent: bool = False
 
@@ -90,6 +91,7 @@ class RequestTracker:
         self._tracks: dict[str, _Track] = {}
         self.namespace = Namespace(model_id, layout, "default")
         self.reads = 0  # objects read for KV-cache hits
+        self.tails_published = 0
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._tracks
@@ -121,12 +123,15 @@ class RequestTracker:
         track.keys.extend(full_block_keys(self.namespace, block_hashes))
         self._submit(self._keyed_blocks(track))
 
-    def finish(self, request_id: str) -> None:
-        """Finished, aborted or preempted: unpublished rows go once no step covers it."""
+    def finish(self, request_id: str, tail: tuple[bytes, int] | None = None) -> None:
+        """Finished, aborted or preempted: once no step covers the request, its terminal
+        partial block is published when ``tail`` (its hash and token count) is given, and any
+        other unpublished rows go."""
         track = self._tracks.get(request_id)
         if track is None:
             return
         track.finished = True
+        track.tail = tail
         if track.in_flight == 0:
             self._teardown(request_id)
 
@@ -284,6 +289,35 @@ class RequestTracker:
 
     def _teardown(self, request_id: str) -> None:
         """Forget a finished or aborted request: unpublished rows go, published blocks stay."""
-        self._tracks.pop(request_id, None)
+        track = self._tracks.pop(request_id, None)
+        if request_id not in self._buffer:
+            return
+        if track is not None and track.tail is not None and track.failure is None:
+            try:
+                self._publish_tail(request_id, track, *track.tail)
+            except Exception:  # a tail is optional: never let it fail the step
+                logger.exception("vllm-artifact: request %s: tail not published", request_id)
         if request_id in self._buffer:
             self._buffer.drop(request_id)
+
+    def _publish_tail(self, request_id: str, track: _Track, tail_hash: bytes, n: int) -> None:
+        """The rows after the last full block become one object keyed by the tail hash."""
+        tail = self._buffer.take_tail(request_id)
+        bs = self._layout.block_size
+        if (
+            len(tail.rows) != n
+            or tail.token_start % bs
+            or any(index * bs < tail.token_start for index in track.unkeyed)
+        ):
+            logger.warning(
+                "vllm-artifact: request %s finished with %d tail rows at token %d, the scheduler "
+                "hashed %d tail tokens; the tail is not published",
+                request_id,
+                len(tail.rows),
+                tail.token_start,
+                n,
+            )
+            return
+        key = tail_block_key(self.namespace, tail_hash, n)
+        self._submit([BlockRun([key], tail.rows, tail.token_start)])
+        self.tails_published += 1

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -35,7 +37,15 @@ class _ArtifactSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.aux_output_connector is not None:
-            self.aux_output_connector = ArtifactSchedulerConnector()
+            vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]
+            _, hash_block_size = resolve_kv_cache_block_sizes(
+                self.kv_cache_config,  # type: ignore[attr-defined]
+                vllm_config,
+            )
+            self.aux_output_connector = ArtifactSchedulerConnector(
+                hash_fn=get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo),
+                hash_block_size=hash_block_size,
+            )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         failures = failures_in(getattr(model_runner_output, "aux_output_connector_output", None))

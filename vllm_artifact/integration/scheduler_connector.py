@@ -6,6 +6,8 @@ request's executed tokens) and adds what the Artifact Connector needs:
 
 * the weight version travels with every step's metadata, so the worker keys objects under
   the weights that produced them;
+* a request that finished normally gets its terminal partial block hashed like a KV block
+  (same hash function, parent and extra keys), so the worker can publish it as an object;
 * a worker-reported :class:`RequestFailure` is recorded instead of tripping vLLM's assertion
   (which would kill the engine); the scheduler then finishes that request with an error.
 
@@ -15,20 +17,65 @@ request's length runs at terminal time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+from vllm.v1.request import RequestStatus
 
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
 _DEFAULT_WEIGHT_VERSION = "default"
+#: Finishes whose last rows become a tail object; aborted, preempted and failed requests keep
+#: only their published full blocks.
+_PUBLISH_TAIL_STATUSES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED}
+)
 
 
 class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        hash_fn: Callable[[Any], bytes] | None = None,
+        hash_block_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.weight_version = _DEFAULT_WEIGHT_VERSION
+        self._hash_fn = hash_fn
+        self._hash_block_size = hash_block_size
+        self._tails: dict[str, tuple[bytes, int]] = {}
+
+    def request_finished(self, request: Any) -> None:
+        """Also hash the terminal partial block of a request that finished normally."""
+        if (
+            request.status in _PUBLISH_TAIL_STATUSES
+            and request.request_id in self._sent_hash_counts
+        ):
+            tail = self._tail_hash(request)
+            if tail is not None:
+                self._tails[request.request_id] = tail
+        super().request_finished(request)
+
+    def _tail_hash(self, request: Any) -> tuple[bytes, int] | None:
+        """Hash of the rows after the last full block, like a KV block hash of those tokens.
+
+        Rows exist for every token but the last sampled one, so the tail covers tokens
+        ``[full * bs, num_tokens - 1)``; its parent is the last full block's hash.
+        """
+        if self._hash_fn is None or self._hash_block_size is None:
+            return None
+        bs = self._hash_block_size
+        executed = request.num_tokens - 1
+        full = executed // bs
+        if executed <= full * bs or len(request.block_hashes) < full:
+            return None
+        tokens = request.all_token_ids[full * bs : executed]
+        parent = request.block_hashes[full - 1] if full else None
+        extra_keys, _ = generate_block_hash_extra_keys(request, full * bs, executed, 0)
+        return bytes(hash_block_tokens(self._hash_fn, parent, tokens, extra_keys)), len(tokens)
 
     def set_weight_version(self, weight_version: str) -> None:
         """Key objects of later steps under ``weight_version`` (vLLM's weight-version API)."""
@@ -38,7 +85,8 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self, scheduler_output: Any, requests: dict[str, Any]
     ) -> ArtifactStepMetadata:
         step = super().build_connector_meta(scheduler_output, requests)
-        return ArtifactStepMetadata(step=step, weight_version=self.weight_version)
+        tails, self._tails = self._tails, {}
+        return ArtifactStepMetadata(step=step, weight_version=self.weight_version, tails=tails)
 
     def take_output(self, request: Any, output: dict[str, Any] | None) -> np.ndarray | None:
         """This step's rows of ``request``; None when there are none (or it failed)."""

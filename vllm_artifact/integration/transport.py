@@ -8,7 +8,7 @@ our :class:`RequestFailure`, inside ``ModelRunnerOutput.aux_output_connector_out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
@@ -29,6 +29,10 @@ class ArtifactStepMetadata:
 
     step: AuxOutputConnectorMetadata
     weight_version: str
+    #: Requests that finished normally (not aborted, preempted or failed) with a terminal
+    #: partial block: request id -> (tail hash, tokens in the tail). The hash is computed like
+    #: a KV block hash (same function, parent hash and extra keys) over the tail's tokens.
+    tails: dict[str, tuple[bytes, int]] = field(default_factory=dict)
 
 
 #: What the worker connector returns for one step.

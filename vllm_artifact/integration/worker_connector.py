@@ -183,6 +183,11 @@ class ArtifactWorkerConnector:
         """Objects read from the store for KV-cache hits (tests and metrics)."""
         return 0 if self._tracker is None else self._tracker.reads
 
+    @property
+    def tails_published(self) -> int:
+        """Terminal partial blocks published (requests that finished normally)."""
+        return 0 if self._tracker is None else self._tracker.tails_published
+
     # ------------------------------------------------------------ step hooks
 
     def begin_step(self, metadata: ArtifactStepMetadata | None) -> None:
@@ -203,7 +208,7 @@ class ArtifactWorkerConnector:
             for request_id, packed in step.block_hashes.items():
                 tracker.add_block_hashes(request_id, packed)
             for request_id in step.finished_requests:
-                tracker.finish(request_id)
+                tracker.finish(request_id, tail=metadata.tails.get(request_id))
 
     def prepare_output(self, input_batch: Any) -> PendingArtifactStep | None:
         """Snapshot this step's rows for the asynchronous copy (rank zero only)."""

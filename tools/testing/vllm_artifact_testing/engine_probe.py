@@ -16,6 +16,7 @@ def connector_stats(llm: Any) -> dict[str, int]:
         store = connector.store.stats()
         return {
             "reads": connector.reads,
+            "tails": connector.tails_published,
             "objects": store.objects,
             "bytes_used": store.bytes_used,
             "capacity_bytes": store.capacity_bytes,  # the arena file, overhead included

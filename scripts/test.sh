@@ -3,7 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+echo "== setup: ${SECONDS} s"
 VENV=.venv/bin
 echo "== ruff"; "$VENV/ruff" check . && "$VENV/ruff" format --check .
 echo "== mypy"; "$VENV/mypy"
 echo "== pytest"; "$VENV/python" -m pytest -q -ra --durations=15 "$@"
+echo "== total: ${SECONDS} s"

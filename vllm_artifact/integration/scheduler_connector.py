@@ -43,6 +43,10 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         hash_block_size: int | None = None,
     ) -> None:
         super().__init__()
+        assert isinstance(getattr(self, "_sent_hash_counts", None), dict), (
+            "vLLM's AuxOutputSchedulerConnector no longer tracks _sent_hash_counts; "
+            "vllm-artifact's scheduler connector was written for vLLM 0.32 and must be updated"
+        )
         self.weight_version = _DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size

@@ -29,7 +29,7 @@ import torch
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore, check_shm_space
-from vllm_artifact.core.store.shm_arena import ArenaGeometry
+from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.core.tracker import EmittedRows, RequestTracker, StepRows
 from vllm_artifact.errors import WriterConflictError
 from vllm_artifact.integration.config import ArtifactConfig
@@ -111,8 +111,11 @@ class ArtifactWorkerConnector:
         self._model_id = model_identity(vllm_config)
         kv_hash_blocks = kv_cache_config.num_blocks * (scheduler_block_size // hash_block_size)
         capacity = self._capacity(config, kv_hash_blocks)
-        check_shm_space(config.root, capacity)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
+        # A restarted engine reuses or replaces its own arena: its bytes count as free.
+        own_arena = config.root / self._store_name(dp_rank) / ARENA_NAME
+        reclaimable = own_arena.stat().st_size if own_arena.is_file() else 0
+        check_shm_space(config.root, capacity, reclaimable_bytes=reclaimable)
         self._store = self._open_store(config, capacity, dp_rank)
         self._publisher = BackgroundPublisher(self._store)
         self._tracker = RequestTracker(
@@ -157,10 +160,14 @@ class ArtifactWorkerConnector:
             return ArenaGeometry(self._layout, slots).file_nbytes
         return int(config.capacity)
 
+    def _store_name(self, dp_rank: int) -> str:
+        """One store per model, R3 layout and DP rank (weight versions share it)."""
+        identity = f"{self._model_id}\n{self._layout.canonical()}".encode()
+        return f"r3-{hashlib.blake2b(identity, digest_size=6).hexdigest()}-dp{dp_rank}"
+
     def _open_store(self, config: ArtifactConfig, capacity: int, dp_rank: int) -> ShmStore:
         """Open this engine's store; a second live engine on the same root gets its own."""
-        identity = f"{self._model_id}\n{self._layout.canonical()}".encode()
-        base = f"r3-{hashlib.blake2b(identity, digest_size=6).hexdigest()}-dp{dp_rank}"
+        base = self._store_name(dp_rank)
         for name in (base, f"{base}-pid{os.getpid()}"):
             try:
                 return ShmStore.create_or_open_writer(

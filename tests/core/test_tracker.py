@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,7 +13,7 @@ from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
-from vllm_artifact.core.tracker import EmittedRows, RequestTracker, StepRows
+from vllm_artifact.core.tracker import EmittedRows, RequestTracker, StepRows, eviction_id
 
 from .conftest import rows_for
 
@@ -31,7 +32,8 @@ def tracker(shm_root: str, layout: R3Layout) -> Iterator[tuple[RequestTracker, S
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
-    return [f"{tag}-{i}".encode().ljust(32, b".") for i in range(n)]
+    """Block-hash-like bytes (vLLM's are sha256 digests)."""
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
 
 
 def step(
@@ -209,3 +211,34 @@ def test_abort_keeps_published_blocks_and_drops_the_rest(
     out = step(t, "b", BS, rows[BS:])
     assert isinstance(out, EmittedRows)
     np.testing.assert_array_equal(out.rows, rows)
+
+
+def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(
+    shm_root: str, layout: R3Layout
+) -> None:
+    store = ShmStore.create_or_open_writer(
+        shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
+    )
+    publisher = BackgroundPublisher(store)
+    t = RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20)
+    block_hashes = hashes("pin", 3)
+    t.admit("a", 0)
+    t.add_block_hashes("a", block_hashes)
+    step(t, "a", 0, rows_for(layout, 13, 3 * BS + 1))
+    publisher.flush()
+    assert t.pinned == 3 and store.stats().pinned_objects == 3
+    # vLLM's KV events name blocks by the 64-bit id of their hash (int or raw bytes).
+    t.kv_evicted(
+        [eviction_id(block_hashes[0]), eviction_id(int.from_bytes(block_hashes[1], "big"))]
+    )
+    publisher.flush()
+    assert t.pinned == 1 and store.stats().pinned_objects == 1
+    t.kv_evicted([eviction_id(b"a block we never saw".ljust(32, b"."))])
+    assert t.unmatched_evictions == 1
+    t.kv_cleared()
+    publisher.flush()
+    assert t.pinned == 0 and store.stats().pinned_objects == 0
+    # Unpinned objects stay readable until space is needed.
+    assert store.exists(full_block_keys(t.namespace, block_hashes)) == [True, True, True]
+    publisher.close()
+    store.close()

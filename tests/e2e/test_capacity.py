@@ -54,6 +54,9 @@ def test_serving_ten_times_the_capacity(model_a: Path, store_root: Path, llm_fac
     assert max_objects <= stats["capacity_objects"]
     assert stats["evictions"] > 0
     assert stats["reads"] > 0, "repeats must have been served from the store"
+    # Pins follow the KV cache: only objects whose block the KV cache still holds are pinned.
+    print(f"pinned objects at the end: {stats['pinned']} (KV cache: {KV_BLOCKS} blocks)")
+    assert 0 < stats["pinned"] <= KV_BLOCKS
     for output in outputs[-6:]:
         tokens = executed_tokens(output)
         assert_routing_matches(output.outputs[0].routed_experts, hf_router_topk(model_a, tokens))

@@ -22,7 +22,7 @@ from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, KeyCollisionError, StoreError
 
-__all__ = ["BackgroundPublisher", "BlockRun"]
+__all__ = ["BackgroundPublisher", "BlockRun", "PinChange"]
 
 logger = logging.getLogger("vllm.artifact.publisher")
 
@@ -37,12 +37,22 @@ class BlockRun:
     token_start: int
 
 
+@dataclass(frozen=True)
+class PinChange:
+    """Add (``pin=True``) or drop one pin reference on each key, in order with publication."""
+
+    keys: Sequence[ObjectKey]
+    pin: bool
+
+
 class BackgroundPublisher:
     """Single publishing thread in front of one writable store."""
 
     def __init__(self, store: ObjectStore, *, max_pending_batches: int = 1024) -> None:
         self._store = store
-        self._queue: queue.Queue[list[BlockRun] | None] = queue.Queue(maxsize=max_pending_batches)
+        self._queue: queue.Queue[list[BlockRun | PinChange] | None] = queue.Queue(
+            maxsize=max_pending_batches
+        )
         self._failures = 0
         self._collisions = 0  # recomputed blocks whose rows differed from the stored object
         self._published_objects = 0
@@ -68,8 +78,9 @@ class BackgroundPublisher:
     def published_objects(self) -> int:
         return self._published_objects
 
-    def submit(self, runs: Sequence[BlockRun]) -> None:
-        """Queue blocks for publication (blocks the caller only if the queue is full)."""
+    def submit(self, runs: Sequence[BlockRun | PinChange]) -> None:
+        """Queue blocks for publication and pin changes, executed in order (blocks the caller
+        only if the queue is full)."""
         if self._closed:
             raise StoreError("the R3 publisher is closed")
         if runs:
@@ -106,10 +117,13 @@ class BackgroundPublisher:
                     self._finished += 1
                     self._progress.notify_all()
 
-    def _publish(self, runs: list[BlockRun]) -> None:
-        objects = sum(len(run.keys) for run in runs)
+    def _publish(self, runs: list[BlockRun | PinChange]) -> None:
+        objects = sum(len(run.keys) for run in runs if isinstance(run, BlockRun))
         try:
             for run in runs:
+                if isinstance(run, PinChange):
+                    (self._store.pin if run.pin else self._store.unpin)(run.keys)
+                    continue
                 try:
                     self._store.put_blocks(run.keys, run.rows, run.token_start, pin=False)
                 except KeyCollisionError:

@@ -7,7 +7,8 @@ below is unit-tested without an engine:
 * rows are tracked by request and logical token index; a request may start at a non-zero token
   (the KV cache served its prefix) and recomputed tokens replace what was captured before;
 * a complete block is published once its KV block hash is known (hashes of generated tokens
-  arrive a step after their block completes), on the background publisher, never inline;
+  arrive a step after their block completes), on the background publisher, never inline, and
+  stays pinned in the store until the KV cache evicts its block;
 * rows are emitted once per sampled step; rows the KV cache served are read from the store
   after flushing the publisher (so a block completed by another request is durable first);
 * any error for one request becomes an :class:`R3Failure` for that request only.
@@ -25,14 +26,25 @@ import numpy as np
 from vllm_artifact.core.buffer import RequestRowBuffer
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys, tail_block_key
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError
 
-__all__ = ["EmittedRows", "RequestTracker", "StepRows"]
+__all__ = ["EmittedRows", "RequestTracker", "StepRows", "eviction_id"]
 
 logger = logging.getLogger("vllm.artifact.tracker")
+
+
+def eviction_id(block_hash: bytes | int) -> int:
+    """The 64-bit id vLLM's KV cache events give a block (its hash's last 8 bytes, big
+    endian, as with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); raw hashes map to the same id."""
+    if isinstance(block_hash, int):
+        return block_hash & _ID_MASK
+    return int.from_bytes(bytes(block_hash), "big") & _ID_MASK
+
+
+_ID_MASK = (1 << 64) - 1
 
 
 class StepRows(NamedTuple):
@@ -56,6 +68,7 @@ class EmittedRows(NamedTuple):
 class _Track:
     emit_cursor: int  # first token whose row the scheduler has not received yet
     keys: list[ObjectKey] = field(default_factory=list)  # block i -> keys[i]
+    hashes: list[bytes] = field(default_factory=list)  # block i -> its KV block hash
     unkeyed: dict[int, np.ndarray] = field(default_factory=dict)  # complete blocks, no hash yet
     pending_start: int | None = None  # token of the first captured, unemitted row
     pending: list[np.ndarray] = field(default_factory=list)
@@ -89,7 +102,9 @@ class RequestTracker:
         self._publisher = publisher
         self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes)
         self._tracks: dict[str, _Track] = {}
+        self._pinned: dict[int, ObjectKey] = {}  # eviction id of a KV block -> object pinned
         self.namespace = Namespace(model_id, layout, "default")
+        self.unmatched_evictions = 0  # KV evictions of blocks we never pinned
         self.reads = 0  # objects read for KV-cache hits
         self.tails_published = 0
 
@@ -120,8 +135,38 @@ class RequestTracker:
         track = self._tracks.get(request_id)
         if track is None:
             return
-        track.keys.extend(full_block_keys(self.namespace, block_hashes))
+        hashes = [bytes(h) for h in block_hashes]
+        track.hashes.extend(hashes)
+        track.keys.extend(full_block_keys(self.namespace, hashes))
         self._submit(self._keyed_blocks(track))
+
+    def kv_evicted(self, eviction_ids: Iterable[int]) -> None:
+        """The KV cache dropped these blocks (ids from :func:`eviction_id`): their objects may
+        now be evicted from the store.
+
+        Objects of blocks the KV cache holds stay pinned (published pinned, see
+        :meth:`_keyed_blocks`), so store capacity never drops R3 that a KV hit still needs.
+        """
+        unpin = []
+        for block_id in eviction_ids:
+            key = self._pinned.pop(int(block_id), None)
+            if key is None:
+                self.unmatched_evictions += 1
+            else:
+                unpin.append(key)
+        if unpin:
+            self._publisher.submit([PinChange(unpin, pin=False)])
+
+    def kv_cleared(self) -> None:
+        """The KV cache dropped every block (prefix-cache reset)."""
+        if self._pinned:
+            self._publisher.submit([PinChange(list(self._pinned.values()), pin=False)])
+            self._pinned.clear()
+
+    @property
+    def pinned(self) -> int:
+        """Objects pinned because the KV cache still holds their block."""
+        return len(self._pinned)
 
     def finish(self, request_id: str, tail: tuple[bytes, int] | None = None) -> None:
         """Finished, aborted or preempted: once no step covers the request, its terminal
@@ -153,7 +198,7 @@ class RequestTracker:
         """Record one finished step; returns each request's new rows or its failure."""
         outputs: dict[str, EmittedRows | R3Failure] = {}
         to_emit: list[tuple[str, _Track, int]] = []
-        ready: list[BlockRun] = []
+        ready: list[BlockRun | PinChange] = []
         for entry in step:
             track = self._tracks[entry.request_id]
             track.in_flight -= 1
@@ -217,10 +262,18 @@ class RequestTracker:
             track.unkeyed[blocks.first_block + i] = blocks.block(i, self._layout.block_size)
         return token_end
 
-    def _keyed_blocks(self, track: _Track) -> list[BlockRun]:
-        """Complete blocks whose KV block hash has arrived, as runs of consecutive blocks."""
+    def _keyed_blocks(self, track: _Track) -> list[BlockRun | PinChange]:
+        """Complete blocks whose KV block hash has arrived, as runs of consecutive blocks,
+        followed by one pin per block the KV cache holds (every hashed full block is cached
+        by vLLM's prefix cache) that is not pinned yet; :meth:`kv_evicted` drops it."""
         ready = sorted(index for index in track.unkeyed if index < len(track.keys))
-        runs: list[BlockRun] = []
+        runs: list[BlockRun | PinChange] = []
+        pins: list[ObjectKey] = []
+        for index in ready:
+            block_id = eviction_id(track.hashes[index])
+            if block_id not in self._pinned:
+                self._pinned[block_id] = track.keys[index]
+                pins.append(track.keys[index])
         bs = self._layout.block_size
         while ready:
             first = end = ready.pop(0)
@@ -229,9 +282,11 @@ class RequestTracker:
             blocks = [track.unkeyed.pop(index) for index in range(first, end + 1)]
             rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
             runs.append(BlockRun(track.keys[first : end + 1], rows, first * bs))
+        if pins:
+            runs.append(PinChange(pins, pin=True))
         return runs
 
-    def _submit(self, runs: list[BlockRun]) -> None:
+    def _submit(self, runs: list[BlockRun | PinChange]) -> None:
         if runs:
             self._publisher.submit(runs)
 

@@ -46,6 +46,32 @@ class _ArtifactSchedulerMixin:
                 hash_fn=get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo),
                 hash_block_size=hash_block_size,
             )
+            self._forward_kv_evictions()
+
+    def _forward_kv_evictions(self) -> None:
+        """Let our connector see vLLM's KV cache events (block evictions).
+
+        Turns the block pool's events on and wraps this scheduler's
+        ``kv_cache_manager.take_events`` (instance attribute, vLLM 0.32.0): our connector sees
+        every event; vLLM's publisher gets them only if the user configured KV events, so
+        enabling them here changes nothing visible.
+        """
+        manager: Any = self.kv_cache_manager  # type: ignore[attr-defined]
+        pool = manager.block_pool
+        assert hasattr(pool, "enable_kv_cache_events") and hasattr(manager, "take_events"), (
+            "vLLM's KV cache manager changed; update vllm-artifact's scheduler"
+        )
+        user_wants_events = bool(pool.enable_kv_cache_events)
+        pool.enable_kv_cache_events = True
+        take_events = manager.take_events
+        connector = self.aux_output_connector
+
+        def take_events_and_observe() -> Any:
+            events = take_events()
+            connector.observe_kv_events(events)
+            return events if user_wants_events else []
+
+        manager.take_events = take_events_and_observe
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         failures = failures_in(getattr(model_runner_output, "aux_output_connector_output", None))

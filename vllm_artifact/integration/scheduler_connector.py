@@ -8,6 +8,8 @@ request's executed tokens) and adds what the Artifact Connector needs:
   the weights that produced them;
 * a request that finished normally gets its terminal partial block hashed like a KV block
   (same hash function, parent and extra keys), so the worker can publish it as an object;
+* KV cache evictions (vLLM's KV cache events) are forwarded, so the worker unpins exactly the
+  objects no KV block can hit any more;
 * a worker-reported :class:`RequestFailure` is recorded instead of tripping vLLM's assertion
   (which would kill the engine); the scheduler then finishes that request with an error.
 
@@ -22,9 +24,11 @@ from typing import Any
 
 import numpy as np
 from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.request import RequestStatus
 
+from vllm_artifact.core.tracker import eviction_id
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
 _DEFAULT_WEIGHT_VERSION = "default"
@@ -51,6 +55,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
         self._tails: dict[str, tuple[bytes, int]] = {}
+        self._kv_evicted: list[int] = []
+        self._kv_cleared = False
+
+    def observe_kv_events(self, events: list[Any] | None) -> None:
+        """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
+        for event in events or ():
+            if isinstance(event, BlockRemoved):
+                self._kv_evicted.extend(eviction_id(h) for h in event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._kv_cleared = True
+                self._kv_evicted.clear()
 
     def request_finished(self, request: Any) -> None:
         """Also hash the terminal partial block of a request that finished normally."""
@@ -90,7 +105,15 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
     ) -> ArtifactStepMetadata:
         step = super().build_connector_meta(scheduler_output, requests)
         tails, self._tails = self._tails, {}
-        return ArtifactStepMetadata(step=step, weight_version=self.weight_version, tails=tails)
+        evicted, self._kv_evicted = self._kv_evicted, []
+        cleared, self._kv_cleared = self._kv_cleared, False
+        return ArtifactStepMetadata(
+            step=step,
+            weight_version=self.weight_version,
+            tails=tails,
+            kv_evicted=evicted,
+            kv_cleared=cleared,
+        )
 
     def take_output(self, request: Any, output: dict[str, Any] | None) -> np.ndarray | None:
         """This step's rows of ``request``; None when there are none (or it failed)."""

@@ -33,6 +33,10 @@ class ArtifactStepMetadata:
     #: partial block: request id -> (tail hash, tokens in the tail). The hash is computed like
     #: a KV block hash (same function, parent hash and extra keys) over the tail's tokens.
     tails: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    #: Blocks the KV cache evicted since the last step (ids from ``eviction_id``), and whether
+    #: it dropped every block (prefix-cache reset): their objects stop being pinned.
+    kv_evicted: list[int] = field(default_factory=list)
+    kv_cleared: bool = False
 
 
 #: What the worker connector returns for one step.

@@ -214,6 +214,10 @@ class ArtifactWorkerConnector:
                 tracker.admit(request_id, int(emit_start))
             for request_id, packed in step.block_hashes.items():
                 tracker.add_block_hashes(request_id, packed)
+            # After publishing (and pinning) newly keyed blocks: a block may be evicted already.
+            if metadata.kv_cleared:
+                tracker.kv_cleared()
+            tracker.kv_evicted(metadata.kv_evicted)
             for request_id in step.finished_requests:
                 tracker.finish(request_id, tail=metadata.tails.get(request_id))
 

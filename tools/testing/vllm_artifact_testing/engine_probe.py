@@ -22,6 +22,7 @@ def connector_stats(llm: Any) -> dict[str, int]:
             "capacity_bytes": store.capacity_bytes,  # the arena file, overhead included
             "capacity_objects": store.capacity_objects,
             "evictions": store.evictions,
+            "pinned": store.pinned_objects,
         }
 
     return next(s for s in llm.collective_rpc(stats) if s)

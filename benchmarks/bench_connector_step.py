@@ -23,6 +23,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
@@ -50,6 +51,7 @@ class FakeRequest:
         self.num_tokens = self.num_prompt_tokens
         self.block_hashes = [block_hash(prefix_tag, i) for i in range(prompt_blocks)]
         self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0)
+        self.status = RequestStatus.RUNNING
 
     @property
     def num_output_tokens(self) -> int:
@@ -57,6 +59,26 @@ class FakeRequest:
 
     def is_finished(self) -> bool:
         return False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [7] * self.num_tokens
+
+    @property
+    def lora_request(self) -> None:
+        return None
+
+    @property
+    def mm_features(self) -> list[object]:
+        return []
+
+    @property
+    def cache_salt(self) -> None:
+        return None
+
+    @property
+    def prompt_embeds(self) -> None:
+        return None
 
     def decode_one(self) -> None:
         self.num_tokens += 1
@@ -66,6 +88,9 @@ class FakeRequest:
 
 
 def main() -> None:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
     from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
@@ -74,7 +99,9 @@ def main() -> None:
     store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=64 << 20)
     publisher = BackgroundPublisher(store)
     tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
-    connector = ArtifactSchedulerConnector()
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    connector = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
     # Publish the shared prefix once (as an earlier request would have).
     prefix_rows = rng.integers(0, 256, (PREFIX_BLOCKS * 16, 58, 8), dtype=np.uint8)
     from vllm_artifact.core.keys import full_block_keys
@@ -107,6 +134,7 @@ def main() -> None:
         if step_index and step_index % NEW_REQUEST_EVERY == 0:
             victim = next(iter(requests.values()))
             del requests[victim.request_id]
+            victim.status = RequestStatus.FINISHED_LENGTH_CAPPED
             finished.append(victim)
             r = new_request(hit=True)
             requests[r.request_id] = r

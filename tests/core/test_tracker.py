@@ -20,13 +20,20 @@ from .conftest import rows_for
 BS = 16  # block size of the SMALL layout
 
 
+Parts = tuple[RequestTracker, ShmStore, BackgroundPublisher]
+
+
 @pytest.fixture
-def tracker(shm_root: str, layout: R3Layout) -> Iterator[tuple[RequestTracker, ShmStore]]:
+def tracker(shm_root: str, layout: R3Layout) -> Iterator[Parts]:
     store = ShmStore.create_or_open_writer(
         shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
     )
     publisher = BackgroundPublisher(store)
-    yield RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20), store
+    yield (
+        RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20),
+        store,
+        publisher,
+    )
     publisher.close()
     store.close()
 
@@ -44,13 +51,9 @@ def step(
 
 
 def test_chunked_prefill_then_decode_emits_every_row_once_and_publishes_keyed_blocks(
-    shm_root: str, layout: R3Layout
+    tracker: Parts, layout: R3Layout
 ) -> None:
-    store = ShmStore.create_or_open_writer(
-        shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
-    )
-    publisher = BackgroundPublisher(store)
-    t = RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20)
+    t, store, publisher = tracker
     rows = rows_for(layout, 1, 40)
     t.admit("a", 0)
     t.add_block_hashes("a", hashes("a", 2))  # the prompt's full blocks are known up front
@@ -67,14 +70,10 @@ def test_chunked_prefill_then_decode_emits_every_row_once_and_publishes_keyed_bl
     out_rows = layout.empty(2 * BS)
     store.read_into(keys, out_rows)
     np.testing.assert_array_equal(out_rows, rows[: 2 * BS])
-    publisher.close()
-    store.close()
 
 
-def test_prefix_hit_rows_come_from_the_store(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
-) -> None:
-    t, _ = tracker
+def test_prefix_hit_rows_come_from_the_store(tracker: Parts, layout: R3Layout) -> None:
+    t, _, _ = tracker
     rows = rows_for(layout, 2, 2 * BS + 5)
     t.admit("a", 0)
     t.add_block_hashes("a", hashes("p", 2))
@@ -89,10 +88,8 @@ def test_prefix_hit_rows_come_from_the_store(
     assert t.reads == 2
 
 
-def test_missing_object_fails_only_that_request(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
-) -> None:
-    t, _ = tracker
+def test_missing_object_fails_only_that_request(tracker: Parts, layout: R3Layout) -> None:
+    t, _, _ = tracker
     t.admit("hit", 0)
     t.add_block_hashes("hit", hashes("never-published", 1))
     t.admit("ok", 0)
@@ -112,9 +109,9 @@ def test_missing_object_fails_only_that_request(
 
 
 def test_missing_after_weight_update_says_to_reset_the_prefix_cache(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+    tracker: Parts, layout: R3Layout
 ) -> None:
-    t, _ = tracker
+    t, _, _ = tracker
     rows = rows_for(layout, 6, BS + 2)
     t.admit("a", 0)
     t.add_block_hashes("a", hashes("w", 1))
@@ -128,10 +125,8 @@ def test_missing_after_weight_update_says_to_reset_the_prefix_cache(
     assert "reset the prefix cache" in failure.message
 
 
-def test_optimistic_step_after_rejected_drafts_reattaches(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
-) -> None:
-    t, _ = tracker
+def test_optimistic_step_after_rejected_drafts_reattaches(tracker: Parts, layout: R3Layout) -> None:
+    t, _, _ = tracker
     rows = rows_for(layout, 7, 12)
     t.admit("a", 0)
     step(t, "a", 0, rows[:8])
@@ -146,10 +141,8 @@ def test_optimistic_step_after_rejected_drafts_reattaches(
     np.testing.assert_array_equal(out.rows, rows[10:12])
 
 
-def test_a_real_gap_fails_the_request(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
-) -> None:
-    t, _ = tracker
+def test_a_real_gap_fails_the_request(tracker: Parts, layout: R3Layout) -> None:
+    t, _, _ = tracker
     t.admit("a", 0)
     step(t, "a", 0, rows_for(layout, 8, 4))
     failure = step(t, "a", 9, rows_for(layout, 9, 1))
@@ -157,18 +150,16 @@ def test_a_real_gap_fails_the_request(
 
 
 def test_malformed_rows_fail_the_request_instead_of_raising(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+    tracker: Parts, layout: R3Layout
 ) -> None:
-    t, _ = tracker
+    t, _, _ = tracker
     t.admit("a", 0)
     failure = step(t, "a", 0, np.zeros((3, 2, 2), dtype=np.uint8))
     assert isinstance(failure, R3Failure)
 
 
-def test_finish_waits_for_steps_in_flight(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
-) -> None:
-    t, _ = tracker
+def test_finish_waits_for_steps_in_flight(tracker: Parts, layout: R3Layout) -> None:
+    t, _, _ = tracker
     t.admit("a", 0)
     t.step_started(["a"])
     t.finish("a")  # aborted while its step runs
@@ -179,9 +170,9 @@ def test_finish_waits_for_steps_in_flight(
 
 
 def test_normal_finish_publishes_the_terminal_partial_block(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
+    tracker: Parts, layout: R3Layout
 ) -> None:
-    t, store = tracker
+    t, store, _ = tracker
     rows = rows_for(layout, 11, BS + 5)
     t.admit("a", 0)
     t.add_block_hashes("a", hashes("t", 1))
@@ -196,10 +187,8 @@ def test_normal_finish_publishes_the_terminal_partial_block(
     np.testing.assert_array_equal(tail, rows[BS:])
 
 
-def test_abort_keeps_published_blocks_and_drops_the_rest(
-    tracker: tuple[RequestTracker, ShmStore], layout: R3Layout
-) -> None:
-    t, _ = tracker
+def test_abort_keeps_published_blocks_and_drops_the_rest(tracker: Parts, layout: R3Layout) -> None:
+    t, _, _ = tracker
     rows = rows_for(layout, 12, BS + 5)
     t.admit("a", 0)
     t.add_block_hashes("a", hashes("x", 1))
@@ -214,13 +203,9 @@ def test_abort_keeps_published_blocks_and_drops_the_rest(
 
 
 def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(
-    shm_root: str, layout: R3Layout
+    tracker: Parts, layout: R3Layout
 ) -> None:
-    store = ShmStore.create_or_open_writer(
-        shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
-    )
-    publisher = BackgroundPublisher(store)
-    t = RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20)
+    t, store, publisher = tracker
     block_hashes = hashes("pin", 3)
     t.admit("a", 0)
     t.add_block_hashes("a", block_hashes)
@@ -240,5 +225,3 @@ def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(
     assert t.pinned == 0 and store.stats().pinned_objects == 0
     # Unpinned objects stay readable until space is needed.
     assert store.exists(full_block_keys(t.namespace, block_hashes)) == [True, True, True]
-    publisher.close()
-    store.close()

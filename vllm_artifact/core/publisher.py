@@ -58,6 +58,8 @@ class BackgroundPublisher:
         self._published_objects = 0
         self._submitted = 0  # batches handed to submit()
         self._finished = 0  # batches the thread is done with (published or failed)
+        # Objects queued but not yet written, with the batch number that writes them.
+        self._queued: dict[ObjectKey, int] = {}
         self._progress = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(
@@ -86,12 +88,21 @@ class BackgroundPublisher:
         if runs:
             with self._progress:
                 self._submitted += 1
+                for run in runs:
+                    if isinstance(run, BlockRun):
+                        self._queued.update(dict.fromkeys(run.keys, self._submitted))
             self._queue.put(list(runs))
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every object submitted so far was published (or failed)."""
+    def flush(self, keys: Sequence[ObjectKey] | None = None, timeout: float = 30.0) -> None:
+        """Wait until every object submitted so far (or only those of ``keys`` still queued)
+        was published or failed."""
         with self._progress:
-            target = self._submitted
+            if keys is None:
+                target = self._submitted
+            else:
+                target = max((self._queued.get(key, 0) for key in keys), default=0)
+            if target <= self._finished:
+                return
             if not self._progress.wait_for(lambda: self._finished >= target, timeout):
                 raise StoreError(
                     f"R3 publication did not finish within {timeout:.0f} s; the store may be "
@@ -115,6 +126,11 @@ class BackgroundPublisher:
             finally:
                 with self._progress:
                     self._finished += 1
+                    for run in runs:
+                        if isinstance(run, BlockRun):
+                            for key in run.keys:
+                                if self._queued.get(key) == self._finished:
+                                    del self._queued[key]
                     self._progress.notify_all()
 
     def _publish(self, runs: list[BlockRun | PinChange]) -> None:

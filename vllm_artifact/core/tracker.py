@@ -72,6 +72,7 @@ class _Track:
     unkeyed: dict[int, np.ndarray] = field(default_factory=dict)  # complete blocks, no hash yet
     pending_start: int | None = None  # token of the first captured, unemitted row
     pending: list[np.ndarray] = field(default_factory=list)
+    pending_count: int = 0  # rows in ``pending``
     capture_end: int | None = None  # token after the last captured row
     scheduled_end: int = 0  # the scheduler's (possibly optimistic) end of the last step
     in_flight: int = 0  # steps started but not finished
@@ -79,9 +80,6 @@ class _Track:
     tail: tuple[bytes, int] | None = None  # (tail hash, tokens) to publish at teardown
     failure: R3Failure | None = None
     failure_sent: bool = False
-
-    def pending_rows(self) -> int:
-        return sum(len(rows) for rows in self.pending)
 
 
 class RequestTracker:
@@ -250,12 +248,14 @@ class RequestTracker:
         token_end = token_start + len(rows)
         if track.pending_start is None:
             track.pending_start = token_start
-        elif token_start < track.pending_start + track.pending_rows():
+        elif token_start < track.pending_start + track.pending_count:
             # Recomputed tokens replace what was captured before.
             keep = max(token_start - track.pending_start, 0)
             merged = np.concatenate(track.pending) if track.pending else rows[:0]
             track.pending = [merged[:keep]]
+            track.pending_count = keep
         track.pending.append(rows)
+        track.pending_count += len(rows)
         track.capture_end = token_end
         blocks = self._buffer.take_full_blocks(entry.request_id)
         for i in range(blocks.num_blocks):
@@ -266,6 +266,8 @@ class RequestTracker:
         """Complete blocks whose KV block hash has arrived, as runs of consecutive blocks,
         followed by one pin per block the KV cache holds (every hashed full block is cached
         by vLLM's prefix cache) that is not pinned yet; :meth:`kv_evicted` drops it."""
+        if not track.unkeyed:
+            return []
         ready = sorted(index for index in track.unkeyed if index < len(track.keys))
         runs: list[BlockRun | PinChange] = []
         pins: list[ObjectKey] = []
@@ -304,6 +306,7 @@ class RequestTracker:
         rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
         rows = rows[emit_start - base : token_end - base]
         track.pending = []
+        track.pending_count = 0
         track.pending_start = token_end
         track.emit_cursor = token_end
         return EmittedRows(emit_start, rows)
@@ -317,7 +320,7 @@ class RequestTracker:
                 f"the KV cache served tokens up to {end} but only {len(track.keys) * bs} have "
                 "block hashes; R3 for them cannot be located"
             )
-        self._publisher.flush()
+        self._publisher.flush(track.keys[first:last])  # only if some are still queued
         out = self._layout.empty((last - first) * bs)
         self._store.read_into(track.keys[first:last], out, token_start=first * bs)
         self.reads += last - first
@@ -339,6 +342,7 @@ class RequestTracker:
         logger.error("vllm-artifact: %s", message)
         track.failure = R3Failure(reason, message)
         track.pending = []
+        track.pending_count = 0
         if request_id in self._buffer:
             self._buffer.drop(request_id)
 

@@ -21,6 +21,7 @@ import shutil
 import statistics
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 from vllm.v1.request import RequestStatus
@@ -88,20 +89,27 @@ class FakeRequest:
 
 
 def main() -> None:
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-
     from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
     os.mkdir(root, 0o700)
+    try:
+        run(root, ArtifactSchedulerConnector)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(root: str, connector_cls: Any) -> None:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
     rng = np.random.default_rng(0)
     store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=64 << 20)
     publisher = BackgroundPublisher(store)
     tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    connector = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
+    connector = connector_cls(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
     # Publish the shared prefix once (as an earlier request would have).
     prefix_rows = rng.integers(0, 256, (PREFIX_BLOCKS * 16, 58, 8), dtype=np.uint8)
     from vllm_artifact.core.keys import full_block_keys
@@ -182,7 +190,6 @@ def main() -> None:
 
     publisher.close()
     store.close()
-    shutil.rmtree(root, ignore_errors=True)
 
     def report(name: str, values: list[float], target_ms: float) -> None:
         ms = sorted(v * 1e3 for v in values)

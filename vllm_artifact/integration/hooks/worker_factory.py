@@ -17,8 +17,6 @@ assert hasattr(model_runner, "get_aux_output_connector"), (
     "worker_factory hook was written for vLLM 0.32 and must be updated"
 )
 
-_original = model_runner.get_aux_output_connector
-
 
 def get_artifact_connector(model: Any, vllm_config: Any, kv_cache_config: Any) -> Any:
     from vllm_artifact.integration.worker_connector import ArtifactWorkerConnector

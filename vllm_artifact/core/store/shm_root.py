@@ -93,13 +93,7 @@ def open_root(root: str | os.PathLike[str], *, create: bool) -> int:
     try:
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            created = False
-            if last and create:
-                try:
-                    os.mkdir(part, 0o700, dir_fd=fd)
-                    created = True
-                except FileExistsError:
-                    pass
+            created = last and create and _make_private_dir(part, fd)
             try:
                 child = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
@@ -119,6 +113,15 @@ def open_root(root: str | os.PathLike[str], *, create: bool) -> int:
         raise
 
 
+def _make_private_dir(name: str, dir_fd: int) -> bool:
+    """``mkdir name`` (mode 0700) under ``dir_fd``; False if it already existed."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
 def check_root(root: str | os.PathLike[str], *, create: bool = True) -> str:
     """Raise :class:`UnsafeRootError` unless ``root`` is a safe store root.
 
@@ -131,13 +134,7 @@ def check_root(root: str | os.PathLike[str], *, create: bool = True) -> str:
 def open_store_dir(root_fd: int, name: str, *, create: bool, where: str) -> int:
     """Open (maybe create) the store directory ``name`` under ``root_fd``."""
     check_store_name(name)
-    created = False
-    if create:
-        try:
-            os.mkdir(name, 0o700, dir_fd=root_fd)
-            created = True
-        except FileExistsError:
-            pass
+    created = create and _make_private_dir(name, root_fd)
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
     except FileNotFoundError:

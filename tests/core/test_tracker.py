@@ -50,6 +50,29 @@ def step(
     return t.step_finished([StepRows(request_id, start, len(rows), rows, sampled)]).get(request_id)
 
 
+def serve(
+    t: RequestTracker,
+    request_id: str,
+    block_hashes: list[bytes],
+    rows: np.ndarray,
+    tail: tuple[bytes, int] | None = None,
+) -> None:
+    """A request computed in one step and finished: its keyed full blocks get published."""
+    t.admit(request_id, 0)
+    t.add_block_hashes(request_id, block_hashes)
+    step(t, request_id, 0, rows)
+    t.finish(request_id, tail=tail)
+
+
+def hit(
+    t: RequestTracker, request_id: str, block_hashes: list[bytes], cached: int, rows: np.ndarray
+) -> EmittedRows | R3Failure | None:
+    """A request whose first ``cached`` tokens the KV cache serves; it computes ``rows``."""
+    t.admit(request_id, 0)
+    t.add_block_hashes(request_id, block_hashes)
+    return step(t, request_id, cached, rows)
+
+
 def test_chunked_prefill_then_decode_emits_every_row_once_and_publishes_keyed_blocks(
     tracker: Parts, layout: R3Layout
 ) -> None:
@@ -75,14 +98,9 @@ def test_chunked_prefill_then_decode_emits_every_row_once_and_publishes_keyed_bl
 def test_prefix_hit_rows_come_from_the_store(tracker: Parts, layout: R3Layout) -> None:
     t, _, _ = tracker
     rows = rows_for(layout, 2, 2 * BS + 5)
-    t.admit("a", 0)
-    t.add_block_hashes("a", hashes("p", 2))
-    step(t, "a", 0, rows)
-    t.finish("a")
+    serve(t, "a", hashes("p", 2), rows)
     # Request b has the same prompt: the KV cache serves 2 blocks, b computes only the rest.
-    t.admit("b", 0)
-    t.add_block_hashes("b", hashes("p", 2))
-    out = step(t, "b", 2 * BS, rows[2 * BS :])
+    out = hit(t, "b", hashes("p", 2), 2 * BS, rows[2 * BS :])
     assert isinstance(out, EmittedRows) and out.token_start == 0
     np.testing.assert_array_equal(out.rows, rows)
     assert t.reads == 2
@@ -113,14 +131,9 @@ def test_missing_after_weight_update_says_to_reset_the_prefix_cache(
 ) -> None:
     t, _, _ = tracker
     rows = rows_for(layout, 6, BS + 2)
-    t.admit("a", 0)
-    t.add_block_hashes("a", hashes("w", 1))
-    step(t, "a", 0, rows)
-    t.finish("a")
+    serve(t, "a", hashes("w", 1), rows)
     assert t.set_weight_version("v2")
-    t.admit("b", 0)
-    t.add_block_hashes("b", hashes("w", 1))  # same tokens, keys under the new version
-    failure = step(t, "b", BS, rows[BS:])
+    failure = hit(t, "b", hashes("w", 1), BS, rows[BS:])  # same tokens, keys of the new version
     assert isinstance(failure, R3Failure) and failure.reason == "missing"
     assert "reset the prefix cache" in failure.message
 
@@ -174,14 +187,9 @@ def test_normal_finish_publishes_the_terminal_partial_block(
 ) -> None:
     t, store, _ = tracker
     rows = rows_for(layout, 11, BS + 5)
-    t.admit("a", 0)
-    t.add_block_hashes("a", hashes("t", 1))
-    step(t, "a", 0, rows)
-    t.finish("a", tail=(b"tail-hash".ljust(32, b"."), 5))
+    serve(t, "a", hashes("t", 1), rows, tail=(b"tail-hash".ljust(32, b"."), 5))
     assert t.tails_published == 1
-    t.admit("b", 0)  # a later request's read flushes the publisher
-    t.add_block_hashes("b", hashes("t", 1))
-    step(t, "b", BS, rows[BS:])
+    hit(t, "b", hashes("t", 1), BS, rows[BS:])  # its read flushes the publisher
     key = tail_block_key(t.namespace, b"tail-hash".ljust(32, b"."), 5)
     (tail,) = store.get([key])
     np.testing.assert_array_equal(tail, rows[BS:])
@@ -190,14 +198,9 @@ def test_normal_finish_publishes_the_terminal_partial_block(
 def test_abort_keeps_published_blocks_and_drops_the_rest(tracker: Parts, layout: R3Layout) -> None:
     t, _, _ = tracker
     rows = rows_for(layout, 12, BS + 5)
-    t.admit("a", 0)
-    t.add_block_hashes("a", hashes("x", 1))
-    step(t, "a", 0, rows)
-    t.finish("a")  # aborted: no tail
+    serve(t, "a", hashes("x", 1), rows)  # aborted: no tail
     assert t.tails_published == 0 and "a" not in t
-    t.admit("b", 0)
-    t.add_block_hashes("b", hashes("x", 1))
-    out = step(t, "b", BS, rows[BS:])
+    out = hit(t, "b", hashes("x", 1), BS, rows[BS:])
     assert isinstance(out, EmittedRows)
     np.testing.assert_array_equal(out.rows, rows)
 

@@ -14,8 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 from vllm import SamplingParams
-from vllm_artifact_testing.engine_probe import connector_stats, executed_tokens
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.engine_probe import (
+    assert_matches_oracle,
+    connector_stats,
+    executed_tokens,
+)
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import r3_failure
@@ -34,9 +37,7 @@ def llm(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
 
 def test_prefix_hit_is_served_from_the_store(llm: Any, model_a: Path) -> None:
     first = llm.generate([PROMPT_ONE], GREEDY)[0]
-    assert_routing_matches(
-        first.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(first))
-    )
+    assert_matches_oracle(model_a, first)
     before = connector_stats(llm)
     executed = len(executed_tokens(first))
     # Every full block, plus the terminal partial block of a normal finish.
@@ -47,9 +48,7 @@ def test_prefix_hit_is_served_from_the_store(llm: Any, model_a: Path) -> None:
     assert again.num_cached_tokens >= 32
     after = connector_stats(llm)
     assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
-    assert_routing_matches(
-        again.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(again))
-    )
+    assert_matches_oracle(model_a, again)
     np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
 
 
@@ -64,9 +63,7 @@ def test_corrupt_object_fails_that_request_only(llm: Any, model_a: Path, store_r
     assert "checksum" in failure.message
     # The other request of the same batch is untouched and the engine goes on.
     assert fresh.outputs[0].finish_reason == "length"
-    assert_routing_matches(
-        fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(fresh))
-    )
+    assert_matches_oracle(model_a, fresh)
 
 
 def test_deleted_object_fails_closed_and_engine_keeps_serving(
@@ -81,9 +78,7 @@ def test_deleted_object_fails_closed_and_engine_keeps_serving(
     assert "Increase --artifact-capacity" in failure.message
     later = llm.generate(["A short prompt after the failure."], GREEDY)[0]
     assert later.outputs[0].finish_reason == "length"
-    assert_routing_matches(
-        later.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(later))
-    )
+    assert_matches_oracle(model_a, later)
 
 
 def test_weight_version_change_never_reuses_old_objects(llm: Any, model_a: Path) -> None:
@@ -101,9 +96,7 @@ def test_weight_version_change_never_reuses_old_objects(llm: Any, model_a: Path)
         assert llm.reset_prefix_cache()
         fresh = llm.generate([prompt], GREEDY)[0]
         assert fresh.outputs[0].finish_reason == "length"
-        assert_routing_matches(
-            fresh.outputs[0].routed_experts, hf_router_topk(model_a, executed_tokens(fresh))
-        )
+        assert_matches_oracle(model_a, fresh)
     finally:
         llm.llm_engine.set_weight_version("default")
 

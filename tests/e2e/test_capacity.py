@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 from vllm import SamplingParams
-from vllm_artifact_testing.engine_probe import connector_stats, executed_tokens
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
 
 pytestmark = pytest.mark.engine
 
@@ -58,5 +57,4 @@ def test_serving_ten_times_the_capacity(model_a: Path, store_root: Path, llm_fac
     print(f"pinned objects at the end: {stats['pinned']} (KV cache: {KV_BLOCKS} blocks)")
     assert 0 < stats["pinned"] <= KV_BLOCKS
     for output in outputs[-6:]:
-        tokens = executed_tokens(output)
-        assert_routing_matches(output.outputs[0].routed_experts, hf_router_topk(model_a, tokens))
+        assert_matches_oracle(model_a, output)

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from vllm import SamplingParams
-from vllm_artifact_testing.engine_probe import executed_tokens
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.engine_probe import assert_matches_oracle
 
 pytestmark = pytest.mark.engine
 
@@ -28,15 +27,6 @@ SHORT_PROMPTS = [
     "Hello, world! How are you today?",
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-def check_against_oracle(model: Path, output: Any) -> np.ndarray:
-    experts = output.outputs[0].routed_experts
-    assert isinstance(experts, np.ndarray)
-    tokens = executed_tokens(output)
-    assert experts.shape[0] == len(tokens)
-    assert_routing_matches(experts, hf_router_topk(model, tokens))
-    return experts
 
 
 @pytest.fixture(scope="module")
@@ -57,33 +47,33 @@ def test_shape_and_dtype_uint8(llm_a: Any) -> None:
 
 def test_batch_matches_oracle(llm_a: Any, model_a: Path) -> None:
     for output in llm_a.generate(SHORT_PROMPTS, GREEDY):
-        check_against_oracle(model_a, output)
+        assert_matches_oracle(model_a, output)
 
 
 def test_chunked_prefill_and_prefix_hit_match_oracle(llm_a: Any, model_a: Path) -> None:
     first = llm_a.generate([LONG_PROMPT], GREEDY)[0]
     prompt_len = len(first.prompt_token_ids)
     assert prompt_len > 3 * CHUNK_BUDGET, "the prompt must span several prefill chunks"
-    first_rows = check_against_oracle(model_a, first)
+    first_rows = assert_matches_oracle(model_a, first)
 
     again = llm_a.generate([LONG_PROMPT], GREEDY)[0]
     # Block size 32: every full block of the prompt but the last is served from the KV cache.
     assert again.num_cached_tokens is not None and again.num_cached_tokens >= 32
-    again_rows = check_against_oracle(model_a, again)
+    again_rows = assert_matches_oracle(model_a, again)
     np.testing.assert_array_equal(again_rows, first_rows)
 
 
 def test_sampled_generation_matches_oracle(llm_a: Any, model_a: Path) -> None:
     sampled = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9, seed=1)
     for output in llm_a.generate(SHORT_PROMPTS, sampled):
-        check_against_oracle(model_a, output)
+        assert_matches_oracle(model_a, output)
 
 
 def test_uint16_model_with_dense_layer(model_b: Path, llm_factory: Any) -> None:
     llm_b = llm_factory(model_b, max_num_seqs=4)
     outputs = llm_b.generate([*SHORT_PROMPTS, LONG_PROMPT], GREEDY)
     for output in outputs:
-        experts = check_against_oracle(model_b, output)
+        experts = assert_matches_oracle(model_b, output)
         assert experts.dtype == np.uint16
         assert experts.shape[1:] == (4, 4)
         assert not experts[:, 1, :].any(), "vLLM leaves the dense layer 1 all zeros"
@@ -100,5 +90,5 @@ def test_stop_string_keeps_exact_executed_rows(llm_a: Any, model_a: Path) -> Non
     stopped = llm_a.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
     out = stopped.outputs[0]
     assert out.finish_reason == "stop" and len(out.token_ids) < len(tokens)
-    experts = check_against_oracle(model_a, stopped)
+    experts = assert_matches_oracle(model_a, stopped)
     np.testing.assert_array_equal(experts, unbounded.outputs[0].routed_experts[: experts.shape[0]])

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 from vllm import SamplingParams
-from vllm_artifact_testing.engine_probe import connector_stats, executed_tokens
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
 
 pytestmark = pytest.mark.engine
 
@@ -27,9 +26,7 @@ PROMPT = " ".join(f"Matrix sentence {i} picks expert {i * 3 % 8}." for i in rang
 
 def check(model: Path, output: Any) -> None:
     assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
-    assert_routing_matches(
-        output.outputs[0].routed_experts, hf_router_topk(model, executed_tokens(output))
-    )
+    assert_matches_oracle(model, output)
 
 
 def test_tensor_parallel_2_rank_zero_alone_writes(

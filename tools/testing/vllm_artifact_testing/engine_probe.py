@@ -1,8 +1,14 @@
-"""Look inside a running offline engine from a test: connector counters, executed tokens."""
+"""Look inside a running offline engine from a test: connector counters, executed tokens,
+and the oracle check of one completion."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 
 
 def connector_stats(llm: Any) -> dict[str, int]:
@@ -31,3 +37,14 @@ def connector_stats(llm: Any) -> dict[str, int]:
 def executed_tokens(output: Any) -> list[int]:
     """Tokens that went through a forward pass: the prompt and all generated but the last."""
     return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+
+
+def assert_matches_oracle(model: str | Path, output: Any) -> np.ndarray:
+    """The completion's routed experts equal the transformers oracle on every executed token;
+    returns them."""
+    experts = output.outputs[0].routed_experts
+    assert isinstance(experts, np.ndarray), f"no routed experts: {output.outputs[0]}"
+    tokens = executed_tokens(output)
+    assert experts.shape[0] == len(tokens)
+    assert_routing_matches(experts, hf_router_topk(model, tokens))
+    return experts

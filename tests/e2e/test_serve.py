@@ -33,6 +33,18 @@ def server_b_old_flag(model_b: Path) -> Iterator[RunningServer]:
         yield server
 
 
+def greedy_body(model: Path, max_tokens: int, **fields: Any) -> dict[str, Any]:
+    """A greedy request of exactly ``max_tokens`` tokens that returns token ids."""
+    return {
+        "model": str(model),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
+
+
 def post(server: RunningServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
     reply = requests.post(server.base_url + path, json=body, timeout=300)
     assert reply.status_code == 200, reply.text
@@ -49,14 +61,9 @@ def check_choice(model: Path, prompt_ids: list[int], choice: dict[str, Any]) -> 
 
 
 def test_completions(server_a: RunningServer, model_a: Path) -> None:
-    body = {
-        "model": str(model_a),
-        "prompt": ["The router picks two experts.", "Hello, world! How are you today?"],
-        "max_tokens": 10,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = greedy_body(
+        model_a, 10, prompt=["The router picks two experts.", "Hello, world! How are you today?"]
+    )
     result = post(server_a, "/v1/completions", body)
     assert len(result["choices"]) == 2
     for choice in result["choices"]:
@@ -66,14 +73,9 @@ def test_completions(server_a: RunningServer, model_a: Path) -> None:
 
 
 def test_chat_completions(server_a: RunningServer, model_a: Path) -> None:
-    body = {
-        "model": str(model_a),
-        "messages": [{"role": "user", "content": "Which experts did you use?"}],
-        "max_tokens": 10,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = greedy_body(
+        model_a, 10, messages=[{"role": "user", "content": "Which experts did you use?"}]
+    )
     result = post(server_a, "/v1/chat/completions", body)
     choice = result["choices"][0]
     check_choice(model_a, result["prompt_token_ids"], choice)
@@ -81,14 +83,7 @@ def test_chat_completions(server_a: RunningServer, model_a: Path) -> None:
 
 def test_repeated_prompt_hits_prefix_cache(server_a: RunningServer, model_a: Path) -> None:
     prompt = " ".join(f"Token {i} goes to expert {i % 8}." for i in range(30))
-    body = {
-        "model": str(model_a),
-        "prompt": prompt,
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = greedy_body(model_a, 6, prompt=prompt)
     first = post(server_a, "/v1/completions", body)
     second = post(server_a, "/v1/completions", body)
     cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -101,14 +96,7 @@ def test_repeated_prompt_hits_prefix_cache(server_a: RunningServer, model_a: Pat
 
 
 def test_old_flag_uint16_model(server_b_old_flag: RunningServer, model_b: Path) -> None:
-    body = {
-        "model": str(model_b),
-        "prompt": "Three hundred experts need sixteen bits.",
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = greedy_body(model_b, 8, prompt="Three hundred experts need sixteen bits.")
     choice = post(server_b_old_flag, "/v1/completions", body)["choices"][0]
     experts = check_choice(model_b, choice["prompt_token_ids"], choice)
     assert experts.dtype == np.uint16
@@ -148,15 +136,7 @@ def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a
             chunks += bool(line)
             if chunks >= 3:
                 break  # closing the connection aborts the request in vLLM
-    body = {
-        "model": str(model_a),
-        "prompt": prompt,
-        "max_tokens": 5,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    result = post(server_a, "/v1/completions", body)
+    result = post(server_a, "/v1/completions", greedy_body(model_a, 5, prompt=prompt))
     cached = (result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     assert cached is not None and cached >= 32, result["usage"]
     choice = result["choices"][0]

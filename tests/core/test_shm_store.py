@@ -4,6 +4,7 @@ recovery, read-only and closed handles."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -390,3 +391,42 @@ def test_reopen_drops_duplicate_keys(shm_root: str, layout: R3Layout, namespace:
     assert again.stats().objects == 3
     again.close()
     store.close()
+
+
+def test_reads_in_the_writing_process_do_not_wait_for_its_publisher(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    """Reads take no mutex: while another thread publishes (evicting and reusing slots),
+    pinned objects read back exactly and evicted ones fail as missing, never as wrong rows."""
+    with open_writer(shm_root, layout, slots=64) as store:
+        pinned = [key_for(namespace, i) for i in range(16)]
+        bs = layout.block_size
+        store.put([(k, rows_for(layout, i), i * bs) for i, k in enumerate(pinned)], pin=True)
+        stop = threading.Event()
+
+        def publish() -> None:
+            i = 1000
+            while not stop.is_set():
+                store.put([(key_for(namespace, i), rows_for(layout, i), 0)], pin=False)
+                i += 1
+
+        writer = threading.Thread(target=publish)
+        writer.start()
+        try:
+            out = layout.empty(len(pinned) * bs)
+            want = np.concatenate([rows_for(layout, i) for i in range(len(pinned))])
+            churned = 0
+            for round_ in range(200):
+                store.read_into(pinned, out)
+                np.testing.assert_array_equal(out, want)
+                key = key_for(namespace, 1000 + round_)
+                try:
+                    (got,) = store.get([key])
+                except ObjectMissingError:
+                    churned += 1  # evicted by the churn: fails closed
+                else:
+                    np.testing.assert_array_equal(got, rows_for(layout, 1000 + round_))
+        finally:
+            stop.set()
+            writer.join()
+        assert store.stats().evictions > 0 and churned > 0

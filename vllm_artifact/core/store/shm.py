@@ -532,16 +532,18 @@ class ShmStore(ObjectStore):
             if len(out):
                 raise SchemaError(f"no keys given for {len(out)} rows")
             return
-        with self._mutex:
-            self._read(keys, _IntoDest(self, keys, out, token_start))
+        # No mutex for reads (here and in get): the seqlock and checksums that make reads in
+        # other processes safe against a concurrent writer do the same for this process's
+        # publishing thread, and waiting on its mutex would hand it the GIL for a whole switch
+        # interval (milliseconds on the engine's step path).
+        self._read(keys, _IntoDest(self, keys, out, token_start))
 
     def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:
         if not keys:
             return []
-        with self._mutex:
-            dest = _FreshDest(self._layout)
-            self._read(keys, dest)
-            return dest.arrays()
+        dest = _FreshDest(self._layout)
+        self._read(keys, dest)
+        return dest.arrays()
 
     # ----------------------------------------------------------------- writing
 

@@ -1,49 +1,79 @@
-"""Per-step CPU cost of the Artifact Connector, driven with synthetic engine steps (no model).
+"""Per-step CPU cost of the Artifact Connector vs vLLM's own, driven with synthetic steps.
 
 On a GPU a big-MoE decode step takes ~20-40 ms; what the connector adds per step is the figure
-that matters, and on CPU the tiny model's step time hides it. This drives our scheduler-side
-connector and rank zero's RequestTracker with the facts of a decode-heavy batch:
+that matters, and on CPU the tiny model's step time hides it. This drives, through the same
+methods the engine calls, both our connectors and vLLM 0.32's own AuxOutput connectors:
 
-* 256 concurrent decoding requests, DeepSeek-V3-sized R3 (58 layers x top-8, uint8), 16-token
-  blocks, a real /dev/shm store;
-* every step each request decodes one token; a block's hash arrives the step after it fills;
-* every few steps a request finishes and a new one arrives with a 1024-token prefix hit whose
-  R3 is read from the store.
+* scheduler thread: ``request_finished``, ``build_connector_meta``, ``take_output`` per request;
+* rank-zero worker: ``begin_step``, ``prepare_output``, ``enqueue_cpu_copy``,
+  ``process_output`` (the capturer is a stand-in returning the step's rows as a CPU tensor);
 
-Prints the median and p90 added time per step for each side (targets from issue 6: scheduler
-<= 0.3 ms, worker <= 0.5 ms). Run: ``.venv/bin/python benchmarks/bench_connector_step.py``.
+with the facts of a decode-heavy batch: 256 concurrent decoding requests, DeepSeek-V3-sized R3
+(58 layers x top-8, uint8), 16-token blocks; each step every request decodes one token (a
+block's hash arrives the step after it fills); every few steps a request finishes and a new one
+arrives with a 1024-token prefix hit whose R3 is read from the store. The two configurations
+run alternately in rounds (machine drift hits both alike), each with its own state.
+
+Prints the median and p90 time per step for each side and configuration, and the ratios
+(targets from issue 6: ours <= 0.3 ms on the scheduler thread, <= 0.5 ms on the worker).
+Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]``
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import torch
+from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+from vllm.distributed.aux_output_connector.routed_experts import (
+    RoutedExpertsBuffer,
+    routed_experts_keys,
+)
+from vllm.distributed.aux_output_connector.store import (
+    BackgroundBlockObjectStore,
+    BlockObject,
+    BlockObjectStore,
+)
+from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.request import RequestStatus
 
+from vllm_artifact.core.keys import full_block_keys
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
-from vllm_artifact.core.tracker import RequestTracker, StepRows
+from vllm_artifact.core.tracker import RequestTracker
+from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
+from vllm_artifact.integration.worker_connector import ArtifactWorkerConnector
 
 LAYOUT = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
 CONCURRENCY = 256
 PREFIX_BLOCKS = 64  # 1024-token prefix hit for new requests
-STEPS = 400
 NEW_REQUEST_EVERY = 4  # steps
+WARM_UP_STEPS = 20
+TARGET_SCHEDULER_MS = 0.3
+TARGET_WORKER_MS = 0.5
 
 
 def block_hash(tag: int, i: int) -> bytes:
     return tag.to_bytes(8, "little") + i.to_bytes(8, "little") + bytes(16)
 
 
+PREFIX_HASHES = [block_hash(0, i) for i in range(PREFIX_BLOCKS)]
+
+
 class FakeRequest:
-    """The attributes vLLM's scheduler connector reads from a ``Request``."""
+    """The attributes the scheduler connectors read from a vLLM ``Request``."""
 
     def __init__(self, request_id: str, prefix_tag: int, own_tag: int, prompt_blocks: int) -> None:
         self.request_id = request_id
@@ -53,33 +83,21 @@ class FakeRequest:
         self.block_hashes = [block_hash(prefix_tag, i) for i in range(prompt_blocks)]
         self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0)
         self.status = RequestStatus.RUNNING
+        self.lora_request = None
+        self.mm_features: list[object] = []
+        self.cache_salt = None
+        self.prompt_embeds = None
 
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
     def is_finished(self) -> bool:
-        return False
+        return self.status != RequestStatus.RUNNING
 
     @property
     def all_token_ids(self) -> list[int]:
         return [7] * self.num_tokens
-
-    @property
-    def lora_request(self) -> None:
-        return None
-
-    @property
-    def mm_features(self) -> list[object]:
-        return []
-
-    @property
-    def cache_salt(self) -> None:
-        return None
-
-    @property
-    def prompt_embeds(self) -> None:
-        return None
 
     def decode_one(self) -> None:
         self.num_tokens += 1
@@ -88,127 +106,190 @@ class FakeRequest:
             self.block_hashes.append(block_hash(self.tag, len(self.block_hashes)))
 
 
-def main() -> None:
-    from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
+class StandInCapturer:
+    """Returns the step's rows like vLLM's capturer snapshot (a CPU tensor here)."""
 
-    root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
-    os.mkdir(root, 0o700)
-    try:
-        run(root, ArtifactSchedulerConnector)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    rows: np.ndarray
+
+    def snapshot_routing_data(self, num_rows: int) -> torch.Tensor:
+        return torch.from_numpy(self.rows[:num_rows])
 
 
-def run(root: str, connector_cls: Any) -> None:
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import init_none_hash
+class Config:
+    """One connector pair with its own requests; :meth:`step` times one engine step."""
 
-    rng = np.random.default_rng(0)
-    store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=64 << 20)
-    publisher = BackgroundPublisher(store)
-    tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    connector = connector_cls(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
-    # Publish the shared prefix once (as an earlier request would have).
-    prefix_rows = rng.integers(0, 256, (PREFIX_BLOCKS * 16, 58, 8), dtype=np.uint8)
-    from vllm_artifact.core.keys import full_block_keys
+    def __init__(self, name: str, scheduler: Any, worker: Any, capturer: StandInCapturer) -> None:
+        self.name = name
+        self.scheduler = scheduler
+        self.worker = worker
+        self.capturer = capturer
+        self.rng = np.random.default_rng(0)
+        self.requests: dict[str, FakeRequest] = {}
+        self.next_id = 0
+        self.steps = 0
+        self.scheduler_ms: list[float] = []
+        self.worker_ms: list[float] = []
+        for _ in range(CONCURRENCY):
+            request = self._new_request(hit=False)
+            # Its prompt's R3 is not asked for: the first step emits from its last token on.
+            request.sampling_params.routed_experts_prompt_start = request.num_prompt_tokens - 1
+            self.requests[request.request_id] = request
 
-    store.put_blocks(
-        full_block_keys(tracker.namespace, [block_hash(0, i) for i in range(PREFIX_BLOCKS)]),
-        prefix_rows,
-        0,
-    )
-
-    requests: dict[str, FakeRequest] = {}
-    next_id = 0
-
-    def new_request(hit: bool) -> FakeRequest:
-        nonlocal next_id
-        own = 1000 + next_id
-        request = FakeRequest(f"r{next_id}", 0 if hit else own, own, PREFIX_BLOCKS)
-        next_id += 1
+    def _new_request(self, hit: bool) -> FakeRequest:
+        own = 1000 + self.next_id
+        request = FakeRequest(f"r{self.next_id}", 0 if hit else own, own, PREFIX_BLOCKS)
+        self.next_id += 1
         return request
 
-    for _ in range(CONCURRENCY):
-        r = new_request(hit=False)
-        r.decode_one()  # already decoding: everything before its next token was emitted
-        requests[r.request_id] = r
-
-    sched_times: list[float] = []
-    worker_times: list[float] = []
-    for step_index in range(STEPS):
+    def step(self) -> None:
+        requests = self.requests
         finished: list[FakeRequest] = []
-        if step_index and step_index % NEW_REQUEST_EVERY == 0:
+        if self.steps and self.steps % NEW_REQUEST_EVERY == 0:
             victim = next(iter(requests.values()))
             del requests[victim.request_id]
             victim.status = RequestStatus.FINISHED_LENGTH_CAPPED
             finished.append(victim)
-            r = new_request(hit=True)
-            requests[r.request_id] = r
-        scheduler_output = SimpleNamespace(
-            num_scheduled_tokens={rid: 1 for rid in requests},
+            new = self._new_request(hit=True)
+            requests[new.request_id] = new
+        n = len(requests)
+        scheduler_output = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(requests, 1))
+        # A new request's first step computes only the token after its cached prefix.
+        input_batch = SimpleNamespace(
+            req_ids=list(requests),
+            query_start_loc_np=np.arange(n + 1, dtype=np.int32),
+            num_computed_tokens_np=np.array(
+                [r.num_tokens - 1 for r in requests.values()], dtype=np.int32
+            ),
         )
-        # ---- scheduler side: finished events, metadata build
+        self.capturer.rows = self.rng.integers(0, 256, (n, 58, 8), dtype=np.uint8)
+        num_sampled = np.ones(n, dtype=np.int32)
+        num_rejected = np.zeros(n, dtype=np.int32)
+
         t0 = time.perf_counter()
         for request in finished:
-            connector.request_finished(request)  # type: ignore[arg-type]
-        metadata = connector.build_connector_meta(scheduler_output, requests)  # type: ignore[arg-type]
-        sched = time.perf_counter() - t0
-
-        # ---- worker side: begin_step facts, step start, captured rows, step finish
-        step_rows = []
+            self.scheduler.request_finished(request)
+        metadata = self.scheduler.build_connector_meta(scheduler_output, requests)
         t1 = time.perf_counter()
-        tracker.set_weight_version(metadata.weight_version)
-        for rid, emit_start in metadata.step.requests.items():
-            tracker.admit(rid, int(emit_start))
-        for rid, packed in metadata.step.block_hashes.items():
-            tracker.add_block_hashes(rid, packed)
-        for rid in metadata.step.finished_requests:
-            tracker.finish(rid)
-        tracker.step_started(list(requests))
-        worker_a = time.perf_counter() - t1
-        captured = rng.integers(0, 256, (len(requests), 58, 8), dtype=np.uint8)
-        for i, (rid, request) in enumerate(requests.items()):
-            # A new request's first step computes only the token after its cached prefix.
-            start = request.num_tokens - 1
-            step_rows.append(StepRows(rid, start, 1, captured[i : i + 1], True))
+        self.worker.begin_step(metadata)
+        pending = self.worker.prepare_output(input_batch)
+        pending.enqueue_cpu_copy(num_sampled, num_rejected)
+        output = pending.process_output()
         t2 = time.perf_counter()
-        outputs = tracker.step_finished(step_rows)
-        worker = worker_a + time.perf_counter() - t2
-
-        # ---- scheduler side: take each request's rows, then the tokens are appended
-        t3 = time.perf_counter()
         for request in requests.values():
-            connector.take_output(request, outputs)  # type: ignore[arg-type]
-        sched += time.perf_counter() - t3
+            self.scheduler.take_output(request, output)
+        t3 = time.perf_counter()
+
         for request in requests.values():
             request.decode_one()
-        if step_index >= 20:  # skip warm-up
-            sched_times.append(sched)
-            worker_times.append(worker)
+        self.steps += 1
+        if self.steps > WARM_UP_STEPS:
+            self.scheduler_ms.append((t1 - t0 + t3 - t2) * 1e3)
+            self.worker_ms.append((t2 - t1) * 1e3)
 
-    publisher.close()
-    store.close()
 
-    def report(name: str, values: list[float], target_ms: float) -> None:
-        ms = sorted(v * 1e3 for v in values)
-        median = statistics.median(ms)
-        p90 = ms[int(0.9 * len(ms))]
-        verdict = "PASS" if median <= target_ms else "MISS"
-        print(
-            f"  {name:<28} median {median:7.3f} ms  p90 {p90:7.3f} ms  "
-            f"target <= {target_ms} ms: {verdict}"
-        )
+def ours(root: str) -> tuple[Config, Callable[[], None]]:
+    store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=64 << 20)
+    publisher = BackgroundPublisher(store)
+    tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
+    # The shared prefix was published by an earlier request.
+    prefix_rows = np.random.default_rng(1).integers(
+        0, 256, (PREFIX_BLOCKS * 16, 58, 8), dtype=np.uint8
+    )
+    store.put_blocks(full_block_keys(tracker.namespace, PREFIX_HASHES), prefix_rows, 0)
+    capturer = StandInCapturer()
+    # The worker connector's engine-facing methods, without a model to bind to.
+    worker = object.__new__(ArtifactWorkerConnector)
+    worker._capturer = capturer  # type: ignore[assignment]
+    worker._lock = threading.Lock()
+    worker._generation = 0
+    worker._step_active = False
+    worker._store, worker._publisher, worker._tracker = store, publisher, tracker
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
+    return Config("ours", scheduler, worker, capturer), worker.close
+
+
+def vllms_own() -> tuple[Config, Callable[[], None]]:
+    store = BackgroundBlockObjectStore(
+        BlockObjectStore(max_bytes=256 << 20, object_nbytes=LAYOUT.block_nbytes),
+        max_pending_batches=2 * CONCURRENCY,
+    )
+    prefix_rows = np.random.default_rng(1).integers(
+        0, 256, (PREFIX_BLOCKS, 16 * 58 * 8), dtype=np.uint8
+    )
+    store.put(
+        [
+            BlockObject(key=key, payload=row.tobytes())
+            for key, row in zip(routed_experts_keys(PREFIX_HASHES, "0"), prefix_rows, strict=True)
+        ]
+    )
+    capturer = StandInCapturer()
+    # What AuxOutputWorkerConnector.__init__ sets up on the output rank, without a model.
+    worker = object.__new__(AuxOutputWorkerConnector)
+    worker._capturer = capturer  # type: ignore[assignment]
+    worker._store = store
+    worker._buffer = RoutedExpertsBuffer(
+        np.dtype(np.uint8), LAYOUT.row_shape, LAYOUT.block_size, CONCURRENCY * 2, 8192, 1
+    )
+    worker._requests = {}
+    worker._generation = 0
+    worker._step_metadata = None
+    worker._pending_outputs = []
+    worker._lock = threading.Lock()
+    worker._max_concurrent_batches = 1
+    return Config("vLLM's own", AuxOutputSchedulerConnector(), worker, capturer), worker.close
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=120, help="steps per round and config")
+    args = parser.parse_args()
+    root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
+    os.mkdir(root, 0o700)
+    closers: list[Callable[[], None]] = []
+    try:
+        configs = []
+        for make in (lambda: ours(root), vllms_own):
+            config, close = make()
+            configs.append(config)
+            closers.append(close)
+        for _ in range(args.rounds):
+            for config in configs:
+                for _ in range(args.steps):
+                    config.step()
+        report(configs)
+    finally:
+        for close in closers:
+            close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(configs: list[Config]) -> None:
+    def stats(values: list[float]) -> tuple[float, float]:
+        ordered = sorted(values)
+        return statistics.median(ordered), ordered[int(0.9 * len(ordered))]
 
     print(
         f"{CONCURRENCY} decoding requests, R3 {LAYOUT.num_layers}x{LAYOUT.top_k} uint8, "
         f"block {LAYOUT.block_size}, a new request with a {PREFIX_BLOCKS * 16}-token prefix hit "
-        f"every {NEW_REQUEST_EVERY} steps; {len(sched_times)} steps; load average "
-        f"{os.getloadavg()[0]:.2f}"
+        f"every {NEW_REQUEST_EVERY} steps; {len(configs[0].worker_ms)} timed steps per config; "
+        f"load average {os.getloadavg()[0]:.2f}"
     )
-    report("scheduler thread per step", sched_times, 0.3)
-    report("rank-zero worker per step", worker_times, 0.5)
+    medians: dict[tuple[str, str], float] = {}
+    for side, target in (("scheduler", TARGET_SCHEDULER_MS), ("worker", TARGET_WORKER_MS)):
+        for config in configs:
+            median, p90 = stats(getattr(config, f"{side}_ms"))
+            medians[side, config.name] = median
+            verdict = ""
+            if config.name == "ours":
+                verdict = f"  target <= {target} ms: {'PASS' if median <= target else 'MISS'}"
+            print(
+                f"  {side:<9} {config.name:<10} median {median:7.3f} ms  p90 {p90:7.3f} ms{verdict}"
+            )
+        ratio = medians[side, "ours"] / medians[side, "vLLM's own"]
+        print(f"  {side:<9} ours / vLLM's own: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

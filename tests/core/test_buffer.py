@@ -24,13 +24,10 @@ def rows(start: int, stop: int, version: int = 0) -> np.ndarray:
 
 def test_blocks_then_tail() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
-    buf.append("r", 0, rows(0, 6))
-    full = buf.take_full_blocks("r")
+    full = buf.append("r", 0, rows(0, 6))
     assert (full.first_block, full.num_blocks) == (0, 1)
     np.testing.assert_array_equal(full.rows, rows(0, 4))
-    assert buf.take_full_blocks("r").num_blocks == 0
-    buf.append("r", 6, rows(6, 11))
-    full = buf.take_full_blocks("r")
+    full = buf.append("r", 6, rows(6, 11))
     assert (full.first_block, full.num_blocks) == (1, 1)
     np.testing.assert_array_equal(full.block(0, BS), rows(4, 8))
     tail = buf.take_tail("r")
@@ -41,8 +38,7 @@ def test_blocks_then_tail() -> None:
 
 def test_prefix_hit_start_and_aligned_tail() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
-    buf.append("r", 8, rows(8, 16))  # blocks 0-1 came from the prefix cache
-    full = buf.take_full_blocks("r")
+    full = buf.append("r", 8, rows(8, 16))  # blocks 0-1 came from the prefix cache
     assert (full.first_block, full.num_blocks) == (2, 2)
     tail = buf.take_tail("r")
     assert tail.token_start == 16 and len(tail.rows) == 0
@@ -50,23 +46,25 @@ def test_prefix_hit_start_and_aligned_tail() -> None:
 
 def test_recompute_replaces_overlap_and_ignores_published_rows() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
-    buf.append("r", 0, rows(0, 6, version=1))
-    assert buf.take_full_blocks("r").num_blocks == 1  # tokens 0-3 published
-    buf.append("r", 0, rows(0, 7, version=2))  # preempted, recomputed from 0
+    assert buf.append("r", 0, rows(0, 6, version=1)).num_blocks == 1  # tokens 0-3 published
+    assert buf.append("r", 0, rows(0, 7, version=2)).num_blocks == 0  # recomputed from 0
+    assert buf.end("r") == 7
+    assert buf.append("r", 1, rows(1, 3, version=3)).num_blocks == 0  # all below the floor
     assert buf.end("r") == 7
     tail = buf.take_tail("r")
     assert tail.token_start == 4
     np.testing.assert_array_equal(tail.rows, rows(4, 7, version=2))
 
 
-def test_spec_decode_overlap_and_truncate() -> None:
+def test_recompute_shortens() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
     buf.append("r", 0, rows(0, 3))
-    buf.append("r", 3, rows(3, 6, version=1))  # 3 draft tokens
-    buf.truncate("r", 4)  # two rejected
-    buf.append("r", 4, rows(4, 5, version=2))
-    full = buf.take_full_blocks("r")
-    np.testing.assert_array_equal(full.rows, np.concatenate([rows(0, 3), rows(3, 4, 1)]))
+    buf.append("r", 1, rows(1, 2, version=1))  # replaces everything from token 1 on
+    assert buf.end("r") == 2
+    full = buf.append("r", 2, rows(2, 5, version=2))
+    np.testing.assert_array_equal(
+        full.rows, np.concatenate([rows(0, 1), rows(1, 2, 1), rows(2, 4, 2)])
+    )
     np.testing.assert_array_equal(buf.take_tail("r").rows, rows(4, 5, 2))
 
 
@@ -80,8 +78,7 @@ def test_gap_rejected() -> None:
 
 def test_partial_hit_mid_block() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
-    buf.append("r", 6, rows(6, 13))  # block 1 (tokens 4-7) was partly an external hit
-    full = buf.take_full_blocks("r")
+    full = buf.append("r", 6, rows(6, 13))  # block 1 (tokens 4-7) was partly an external hit
     assert (full.first_block, full.num_blocks) == (2, 1)  # rows 6-7 cannot form block 1
     np.testing.assert_array_equal(full.rows, rows(8, 12))
     np.testing.assert_array_equal(buf.take_tail("r").rows, rows(12, 13))
@@ -89,43 +86,79 @@ def test_partial_hit_mid_block() -> None:
     with pytest.raises(RowGapError, match="partial cache hit"):
         buf.take_tail("q")
     assert "q" not in buf
+    buf.append("p", 6, rows(6, 7))
+    assert buf.append("p", 7, rows(7, 9)).num_blocks == 0  # crosses into block 2
+    tail = buf.take_tail("p")
+    assert tail.token_start == 8
+    np.testing.assert_array_equal(tail.rows, rows(8, 9))
 
 
-def test_tail_requires_blocks_taken_and_unknown_ids() -> None:
+def test_unknown_ids() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
-    buf.append("r", 0, rows(0, 5))
-    with pytest.raises(ValueError, match="take_full_blocks"):
-        buf.take_tail("r")
     with pytest.raises(UnknownRequestError):
-        buf.take_full_blocks("nope")
+        buf.take_tail("nope")
+    with pytest.raises(UnknownRequestError):
+        buf.end("nope")
     buf.drop("nope")  # ignored
-    with pytest.raises(ValueError, match="published"):
-        buf.take_full_blocks("r")
-        buf.truncate("r", 2)
+    buf.slot("opened")  # a slot without rows has an empty tail
+    assert buf.end("opened") == -1
+    assert len(buf.take_tail("opened").rows) == 0
 
 
-def test_memory_bound() -> None:
-    row = LAYOUT.row_nbytes
-    buf = RequestRowBuffer(LAYOUT, max_bytes=240 * row)
-    buf.append("a", 0, rows(0, 198))
+def test_memory_bound_one_block_per_request() -> None:
+    buf = RequestRowBuffer(LAYOUT, max_bytes=40 * LAYOUT.block_nbytes)
+    for i in range(40):
+        assert buf.append(f"r{i}", 0, rows(0, 198)).num_blocks == 49  # 2 rows stay
+    assert buf.nbytes == buf.max_bytes
     with pytest.raises(BufferCapacityError, match="buffer is full"):
-        buf.append("b", 0, rows(0, 60))
-    assert "b" in buf and buf.end("b") == 0  # state unchanged by the failed append
-    assert buf.take_full_blocks("a").num_blocks == 49  # 2 rows stay; storage shrinks
-    assert buf.nbytes <= 16 * row
-    buf.append("b", 0, rows(0, 60))
-    assert buf.nbytes <= buf.max_bytes
-    buf.drop("a")
-    buf.drop("b")
-    assert buf.nbytes == 0
+        buf.append("b", 0, rows(0, 3))
+    assert "b" not in buf  # state unchanged by the failed append
+    buf.drop("r0")
+    buf.append("b", 0, rows(0, 3))  # the freed slot is reused
+    assert buf.nbytes == buf.max_bytes
+    np.testing.assert_array_equal(buf.take_tail("r1").rows, rows(196, 198))
+    np.testing.assert_array_equal(buf.take_tail("b").rows, rows(0, 3))
+
+
+def test_append_one_each_matches_append() -> None:
+    """The vectorized decode write equals one append per request, completed blocks included."""
+    batch = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
+    single = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
+    starts = {"a": 0, "b": 6, "c": 2, "d": 9}  # "b" began mid-block: block 1 never completes
+    for rid, start in starts.items():
+        batch.append(rid, start, rows(start, start + 1))
+        single.append(rid, start, rows(start, start + 1))
+    ends = dict.fromkeys(starts, 0) | {rid: s + 1 for rid, s in starts.items()}
+    got: dict[tuple[str, int], np.ndarray] = {}
+    want: dict[tuple[str, int], np.ndarray] = {}
+    for step in range(9):
+        ids = list(starts)[: 4 - step % 2]  # not every request decodes every step
+        slots = np.array([batch.slot(rid) for rid in ids])
+        tokens = np.array([ends[rid] for rid in ids])
+        step_rows = np.concatenate([rows(t, t + 1, step) for t in tokens])
+        done = batch.append_one_each(slots, tokens, step_rows)
+        for i, index, block in zip(done.positions, done.block_indices, done.rows, strict=True):
+            got[ids[i], int(index)] = block
+        for rid, t, row in zip(ids, tokens, step_rows, strict=True):
+            full = single.append(rid, int(t), row[None])
+            for b in range(full.num_blocks):
+                want[rid, full.first_block + b] = full.block(b, BS)
+            ends[rid] = int(t) + 1
+    assert got.keys() == want.keys() and ("b", 1) not in got and ("b", 2) in got
+    for key, block in want.items():
+        np.testing.assert_array_equal(got[key], block)
+    for rid in starts:
+        tail_b, tail_s = batch.take_tail(rid), single.take_tail(rid)
+        assert tail_b.token_start == tail_s.token_start
+        np.testing.assert_array_equal(tail_b.rows, tail_s.rows)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_matches_reference_model(data: st.DataObject) -> None:
-    """Random appends (with overlap), truncations and takes equal a simple model:
-    an append at ``lo`` replaces everything from ``lo`` on, except tokens
-    already handed out as full blocks; the hand-outs tile the request exactly."""
+    """Random appends (with overlap) equal a simple model: an append at ``lo`` replaces
+    everything from ``lo`` on, except tokens already handed out as full blocks; the hand-outs
+    and the tail tile the request exactly."""
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 20)
     start = data.draw(st.integers(0, 5)) * BS
     model: dict[int, np.ndarray] = {}  # token -> newest unpublished row
@@ -133,35 +166,21 @@ def test_matches_reference_model(data: st.DataObject) -> None:
     floor = end = start
     buf.append("r", start, rows(start, start))  # a request with no rows yet
     for version in range(data.draw(st.integers(1, 15))):
-        action = data.draw(st.sampled_from(["append", "append", "truncate", "take"]))
-        if action == "append":
-            lo = data.draw(st.integers(max(0, floor - 6), end))
-            n = data.draw(st.integers(0, 9))
-            buf.append("r", lo, rows(lo, lo + n, version))
-            if n and lo + n > floor:
-                model = {t: r for t, r in model.items() if t < lo}
-                for t in range(max(lo, floor), lo + n):
-                    model[t] = rows(t, t + 1, version)[0]
-                end = lo + n
-        elif action == "truncate":
-            cut = data.draw(st.integers(floor, end))
-            buf.truncate("r", cut)
-            model = {t: r for t, r in model.items() if t < cut}
-            end = cut
-        else:
-            full = buf.take_full_blocks("r")
-            assert full.first_block * BS == floor
-            assert full.num_blocks == end // BS - floor // BS
-            for i in range(full.num_blocks * BS):
-                t = floor + i
-                np.testing.assert_array_equal(full.rows[i], model.pop(t))
-                published[t] = full.rows[i]
-            floor += full.num_blocks * BS
+        lo = data.draw(st.integers(max(0, floor - 6), end))
+        n = data.draw(st.integers(0, 9))
+        full = buf.append("r", lo, rows(lo, lo + n, version))
+        if n and lo + n > floor:
+            model = {t: r for t, r in model.items() if t < lo}
+            for t in range(max(lo, floor), lo + n):
+                model[t] = rows(t, t + 1, version)[0]
+            end = lo + n
+        assert full.first_block * BS == floor
+        assert full.num_blocks == end // BS - floor // BS
+        for i in range(full.num_blocks * BS):
+            np.testing.assert_array_equal(full.rows[i], model.pop(floor + i))
+            published[floor + i] = full.rows[i]
+        floor += full.num_blocks * BS
         assert buf.end("r") == end
-    full = buf.take_full_blocks("r")
-    for i in range(full.num_blocks * BS):
-        published[floor + i] = full.rows[i]
-        np.testing.assert_array_equal(full.rows[i], model.pop(floor + i))
     tail = buf.take_tail("r")
     assert len(tail.rows) == len(model) < BS
     for i, row in enumerate(tail.rows):

@@ -57,8 +57,7 @@ def test_buffer_to_store_to_materialize(
         shm_root, "s", layout=layout, capacity_bytes=1 << 20
     ) as store:
         for lo in range(0, total, 10):  # steps of 10 tokens
-            buf.append("req", lo, want[lo : lo + 10])
-            full = buf.take_full_blocks("req")
+            full = buf.append("req", lo, want[lo : lo + 10])
             if full.num_blocks:
                 blk = keys[full.first_block : full.first_block + full.num_blocks]
                 store.put(full_block_items(blk, full.first_block, full.rows, 16))

@@ -13,7 +13,13 @@ from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
-from vllm_artifact.core.tracker import EmittedRows, RequestTracker, StepRows, eviction_id
+from vllm_artifact.core.tracker import (
+    EmittedRows,
+    RequestTracker,
+    StepBatch,
+    StepRows,
+    eviction_id,
+)
 
 from .conftest import rows_for
 
@@ -47,7 +53,8 @@ def step(
     t: RequestTracker, request_id: str, start: int, rows: np.ndarray, *, sampled: bool = True
 ) -> EmittedRows | R3Failure | None:
     t.step_started([request_id])
-    return t.step_finished([StepRows(request_id, start, len(rows), rows, sampled)]).get(request_id)
+    out = t.step_finished(StepBatch.of([StepRows(request_id, start, len(rows), rows, sampled)]))
+    return out.get(request_id)
 
 
 def serve(
@@ -113,10 +120,12 @@ def test_missing_object_fails_only_that_request(tracker: Parts, layout: R3Layout
     t.admit("ok", 0)
     t.step_started(["hit", "ok"])
     results = t.step_finished(
-        [
-            StepRows("hit", BS, 3, rows_for(layout, 3, 3), True),
-            StepRows("ok", 0, 3, rows_for(layout, 4, 3), True),
-        ]
+        StepBatch.of(
+            [
+                StepRows("hit", BS, 3, rows_for(layout, 3, 3), True),
+                StepRows("ok", 0, 3, rows_for(layout, 4, 3), True),
+            ]
+        )
     )
     failure = results["hit"]
     assert isinstance(failure, R3Failure) and failure.reason == "missing"
@@ -145,7 +154,7 @@ def test_optimistic_step_after_rejected_drafts_reattaches(tracker: Parts, layout
     step(t, "a", 0, rows[:8])
     # Step scheduled 1 token + 3 drafts at 8; 2 drafts were rejected (caller cut them).
     t.step_started(["a"])
-    out = t.step_finished([StepRows("a", 8, 4, rows[8:10], True)])["a"]
+    out = t.step_finished(StepBatch.of([StepRows("a", 8, 4, rows[8:10], True)]))["a"]
     assert isinstance(out, EmittedRows) and out.token_start == 8
     # Async scheduling planned the next step from 12 (all drafts accepted), the model ran it
     # from 10: rows continue right after the last captured one.
@@ -177,7 +186,7 @@ def test_finish_waits_for_steps_in_flight(tracker: Parts, layout: R3Layout) -> N
     t.step_started(["a"])
     t.finish("a")  # aborted while its step runs
     assert "a" in t
-    out = t.step_finished([StepRows("a", 0, 2, rows_for(layout, 10, 2), True)])
+    out = t.step_finished(StepBatch.of([StepRows("a", 0, 2, rows_for(layout, 10, 2), True)]))
     assert isinstance(out["a"], EmittedRows)
     assert "a" not in t
 
@@ -228,3 +237,81 @@ def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(
     assert t.pinned == 0 and store.stats().pinned_objects == 0
     # Unpinned objects stay readable until space is needed.
     assert store.exists(full_block_keys(t.namespace, block_hashes)) == [True, True, True]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_steps_mixing_decode_drafts_chunks_and_hits_equal_the_truth(
+    tracker: Parts, layout: R3Layout, seed: int
+) -> None:
+    """Several requests share each step; most steps are plain decode (the vectorized path),
+    others draft tokens with rejections, prefill chunks or start with a prefix hit (the
+    general path), switching back and forth. Every request's emitted rows are exactly its
+    true rows, each once, and every published block equals the truth."""
+    t, store, publisher = tracker
+    rng = np.random.default_rng(seed)
+    total = 6 * BS + 3
+    truth = {f"r{i}": rows_for(layout, 100 * seed + i, total) for i in range(4)}
+    truth["hit"] = truth["r0"].copy()  # same prompt as r0: its first blocks come from the store
+    block_hashes = {rid: hashes(f"{seed}-{rid}", total // BS) for rid in truth}
+    block_hashes["hit"] = block_hashes["r0"]
+    position = dict.fromkeys(truth, 0)  # next token to compute
+    emitted: dict[str, list[np.ndarray]] = {rid: [] for rid in truth}
+    hashed = dict.fromkeys(truth, 0)
+    running = ["r0", "r1", "r2", "r3"]
+    paths = {"vectorized": 0, "general": 0}  # rows emitted by each path of step_finished
+    for rid in running:
+        t.admit(rid, 0)
+    step_no = 0
+    while running:
+        step_no += 1
+        if step_no == 12:  # r0 published its first blocks by now: "hit" starts on them
+            cached = min(hashed["r0"], 3) * BS
+            t.admit("hit", 0)
+            position["hit"] = cached
+            running.append("hit")
+        for rid in running:  # hashes of blocks completed in earlier steps arrive now
+            full = min(position[rid] // BS, len(block_hashes[rid]))
+            if full > hashed[rid]:
+                t.add_block_hashes(rid, block_hashes[rid][hashed[rid] : full])
+                hashed[rid] = full
+        entries = []
+        for rid in running:
+            pos = position[rid]
+            kind = rng.choice(["decode"] * 6 + ["draft", "chunk"]) if pos else "chunk"
+            if kind == "decode":
+                scheduled, kept, sampled = 1, 1, True
+            elif kind == "draft":  # 1-3 drafts, some rejected: their rows are cut
+                scheduled = 1 + int(rng.integers(1, 4))
+                kept, sampled = 1 + int(rng.integers(0, scheduled)), True
+            else:  # a prefill chunk, the last one samples
+                scheduled = kept = int(rng.integers(2, 2 * BS))
+                sampled = bool(rng.integers(0, 2))
+            kept = min(kept, total - pos)
+            scheduled = max(min(scheduled, total - pos), kept)
+            sampled = sampled or pos + kept == total
+            entries.append(StepRows(rid, pos, scheduled, truth[rid][pos : pos + kept], sampled))
+            position[rid] = pos + kept
+        t.step_started([entry.request_id for entry in entries])
+        result = t.step_finished(StepBatch.of(entries))
+        assert not result.failures()
+        paths["vectorized"] += len(result.decode_ids)
+        paths["general"] += len(result.entries)
+        for rid in list(running):
+            found = result.rows_of(rid)
+            if found is not None:
+                token_start, rows = found
+                assert token_start == sum(len(r) for r in emitted[rid])
+                emitted[rid].append(rows)
+            if position[rid] == total and found is not None:
+                t.add_block_hashes(rid, block_hashes[rid][hashed[rid] :])  # sent with the finish
+                t.finish(rid)
+                running.remove(rid)
+    publisher.flush()
+    for rid, rows in truth.items():
+        np.testing.assert_array_equal(np.concatenate(emitted[rid]), rows)
+        keys = full_block_keys(t.namespace, block_hashes[rid])
+        out = layout.empty(len(keys) * BS)
+        store.read_into(keys, out)
+        np.testing.assert_array_equal(out, rows[: len(keys) * BS])
+    assert t.reads > 0  # the hit request's prefix came from the store
+    assert paths["vectorized"] > 20 and paths["general"] > 10

@@ -1,24 +1,24 @@
 """Logical request buffer: rows not yet published, tracked by token position.
 
-R3 is tracked per request and *logical* token index, never by physical KV
-slot. The buffer holds, per request, the rows since the last published block
-boundary. It follows vLLM's scheduling facts:
+R3 is tracked per request and *logical* token index, never by physical KV slot. The buffer
+holds, per request, the rows of its current partial block; rows that complete a block are
+handed out at once (the caller publishes them). It follows vLLM's scheduling facts:
 
-* a request may start at a non-zero token (prefix-cache hit: earlier rows are
-  already in the store);
-* after preemption or a rejected speculative step the engine recomputes from
-  an earlier token: overlapping rows *replace* what was buffered;
-* rows below the last published block boundary are already immutable objects,
-  so recomputed copies of them are ignored (the published object wins);
+* a request may start at a non-zero token (prefix-cache hit: earlier rows are already in the
+  store), even mid-block (a partial external hit: that block can never be complete);
+* after preemption or a rejected speculative step the engine recomputes from an earlier token:
+  overlapping rows *replace* what was buffered;
+* rows below the last handed-out block boundary are already immutable objects, so recomputed
+  copies of them are ignored (the published object wins);
 * a gap (rows starting beyond the buffered end) is a bug upstream and raises.
 
-Memory is bounded by ``max_bytes`` over all requests; the integration takes
-full blocks every step, so each request normally holds < one block of rows.
+Storage is one slot of one block per request in a shared array (``max_bytes`` bounds the
+slots), so a decode step of every running request is one vectorized write
+(:meth:`RequestRowBuffer.append_one_each`) instead of a Python loop over requests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -26,9 +26,10 @@ import numpy as np
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
-__all__ = ["FullBlocks", "RequestRowBuffer", "TailRows"]
+__all__ = ["CompletedBlocks", "FullBlocks", "RequestRowBuffer", "TailRows"]
 
-_MIN_ROWS = 16
+_NO_ROWS = -1  # ``end`` of a slot whose request has not appended yet
+_INITIAL_SLOTS = 16
 
 
 class FullBlocks(NamedTuple):
@@ -44,6 +45,16 @@ class FullBlocks(NamedTuple):
         return self.rows[i * block_size : (i + 1) * block_size]
 
 
+class CompletedBlocks(NamedTuple):
+    """Blocks completed by :meth:`RequestRowBuffer.append_one_each`: entry ``i`` of the batch
+    (``positions[i]``) completed block ``block_indices[i]`` with rows ``rows[i]`` (a fresh
+    array the caller owns)."""
+
+    positions: np.ndarray
+    block_indices: np.ndarray
+    rows: np.ndarray
+
+
 class TailRows(NamedTuple):
     """Rows of the terminal partial block, starting at ``token_start``."""
 
@@ -51,180 +62,199 @@ class TailRows(NamedTuple):
     rows: np.ndarray
 
 
-@dataclass
-class _Request:
-    base: int  # token index of data[0]
-    count: int  # rows held
-    floor: int  # rows below this token are published (or came from the cache)
-    data: np.ndarray
-
-    @property
-    def end(self) -> int:
-        return self.base + self.count
-
-
 class RequestRowBuffer:
-    """Uncommitted R3 rows of every running request (single owner, not thread-safe)."""
+    """Unpublished R3 rows of every running request (single owner, not thread-safe).
+
+    Per slot: ``block_start`` (first token of the partial block), ``end`` (token after the last
+    buffered row) and ``floor`` (rows below it were handed out or came from the cache); the rows
+    of tokens ``[max(floor, block_start), end)`` live at ``rows[slot, token - block_start]``.
+    """
 
     def __init__(self, layout: R3Layout, *, max_bytes: int) -> None:
         if max_bytes < layout.block_nbytes:
             raise ValueError("RequestRowBuffer.max_bytes must hold at least one block")
         self._layout = layout
+        self._bs = layout.block_size
+        self._max_slots = max_bytes // layout.block_nbytes
         self._max_bytes = max_bytes
-        self._requests: dict[str, _Request] = {}
-        self._allocated = 0
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+        n = min(_INITIAL_SLOTS, self._max_slots)
+        self._rows = layout.empty(n * self._bs).reshape(n, self._bs, *layout.row_shape)
+        self._block_start = np.zeros(n, dtype=np.int64)
+        self._end = np.full(n, _NO_ROWS, dtype=np.int64)
+        self._floor = np.zeros(n, dtype=np.int64)
 
     # ------------------------------------------------------------------ queries
 
     @property
     def nbytes(self) -> int:
-        """Bytes currently allocated for buffered rows (bounded by max_bytes)."""
-        return self._allocated
+        """Bytes of the slots in use (bounded by max_bytes)."""
+        return len(self._slots) * self._layout.block_nbytes
 
     @property
     def max_bytes(self) -> int:
         return self._max_bytes
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
+        return request_id in self._slots
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._slots)
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot, opened on first use (batch calls address requests by slot)."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            slot = self._slots[request_id] = self._open_slot()
+        return slot
 
     def end(self, request_id: str) -> int:
-        """Token index one past the last buffered row."""
-        return self._get(request_id).end
+        """Token index one past the last buffered row (-1 before the first append)."""
+        return int(self._end[self._get(request_id)])
+
+    def ends(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`end` of many slots at once."""
+        return self._end[slots]
 
     # ---------------------------------------------------------------- mutation
 
-    def append(self, request_id: str, token_start: int, rows: np.ndarray) -> None:
-        """Add rows for tokens ``[token_start, token_start + len(rows))``.
+    def append(self, request_id: str, token_start: int, rows: np.ndarray) -> FullBlocks:
+        """Add rows for tokens ``[token_start, token_start + len(rows))`` and return the full
+        blocks they complete (the caller publishes them; they are no longer buffered).
 
-        The first call for a request may start anywhere (prefix-cache hit).
-        Later calls may start at or before the buffered end; rows from
-        ``token_start`` on replace what was buffered there (recomputation).
-        Rows below the last taken block boundary are dropped.
+        The first call for a request may start anywhere (prefix-cache hit). Later calls may
+        start at or before the buffered end; rows from ``token_start`` on replace what was
+        buffered there (recomputation). Rows below the last handed-out block are dropped.
         """
         rows = self._layout.check_rows(rows)
         if token_start < 0:
             raise ValueError(f"token_start must be >= 0, got {token_start}")
-        req = self._requests.get(request_id)
-        if req is None:
-            req = _Request(base=token_start, count=0, floor=token_start, data=self._alloc(0))
-            self._requests[request_id] = req
-        elif token_start > req.end:
+        bs = self._bs
+        slot = self.slot(request_id)
+        end = int(self._end[slot])
+        if end == _NO_ROWS:
+            end = token_start
+            self._floor[slot] = token_start
+            self._block_start[slot] = token_start - token_start % bs
+        elif token_start > end:
             raise RowGapError(
                 f"request {request_id!r}: rows start at token {token_start} but only "
-                f"tokens < {req.end} are buffered; a step's R3 rows were lost. The request "
+                f"tokens < {end} are buffered; a step's R3 rows were lost. The request "
                 "cannot return complete R3 and fails; report this as a bug."
             )
-        skip = max(0, req.floor - token_start)
+        floor = int(self._floor[slot])
+        block_start = int(self._block_start[slot])
+        skip = max(0, floor - token_start)
         if skip >= len(rows):
-            return
+            self._end[slot] = end
+            return FullBlocks(-(-floor // bs), 0, self._layout.empty(0))
         rows = rows[skip:]
-        at = token_start + skip - req.base
-        need = at + len(rows)
-        if need > len(req.data):
-            self._grow(req, need)
-        req.data[at:need] = rows
-        req.count = need
+        start = token_start + skip
+        new_end = start + len(rows)
+        new_block_start = new_end - new_end % bs
+        self._end[slot] = new_end
+        if new_block_start == block_start:  # still inside the partial block
+            self._rows[slot, start - block_start : new_end - block_start] = rows
+            return FullBlocks(-(-floor // bs), 0, self._layout.empty(0))
+        # Blocks [first, last) are complete; a block the request began inside never is.
+        first, last = -(-floor // bs), new_block_start // bs
+        out = self._layout.empty(max(last - first, 0) * bs)
+        if len(out):
+            lo = first * bs
+            held = max(start - lo, 0)  # rows of block ``first`` buffered by earlier calls
+            out[:held] = self._rows[slot, lo - block_start : start - block_start]
+            out[held:] = rows[lo + held - start : last * bs - start]
+        remainder = rows[new_block_start - start :]
+        self._rows[slot, : len(remainder)] = remainder
+        self._block_start[slot] = new_block_start
+        self._floor[slot] = max(floor, new_block_start)
+        return FullBlocks(first, max(last - first, 0), out)
 
-    def truncate(self, request_id: str, end: int) -> None:
-        """Forget rows at or beyond token ``end`` (e.g. rejected draft tokens)."""
-        req = self._get(request_id)
-        if end < req.floor:
-            raise ValueError(
-                f"request {request_id!r}: cannot truncate to {end}, tokens < {req.floor} "
-                "are already published"
-            )
-        req.count = min(req.count, end - req.base)
-
-    def take_full_blocks(self, request_id: str) -> FullBlocks:
-        """Remove and return the rows of every complete, unpublished block."""
-        req = self._get(request_id)
-        bs = self._layout.block_size
-        first = -(-req.floor // bs)  # blocks before this were (partially) cache hits
-        last = req.end // bs
-        if last <= first:
-            return FullBlocks(first, 0, self._layout.empty(0))
-        lo = first * bs - req.base
-        hi = last * bs - req.base
-        out = req.data[lo:hi].copy()
-        self._compact(req, hi, last * bs)
-        return FullBlocks(first, last - first, out)
+    def append_one_each(
+        self, slots: np.ndarray, token_starts: np.ndarray, rows: np.ndarray
+    ) -> CompletedBlocks:
+        """One row per slot (a decode step), vectorized: ``rows[i]`` is token
+        ``token_starts[i]`` of slot ``slots[i]``. The caller guarantees each slot's buffered end
+        is exactly ``token_starts[i]`` (no gap, no recomputation) and slots are distinct.
+        Returns the blocks this completed."""
+        bs = self._bs
+        offsets = token_starts - self._block_start[slots]
+        self._rows[slots, offsets] = rows
+        self._end[slots] = token_starts + 1
+        positions = np.flatnonzero(offsets == bs - 1)
+        if not len(positions):
+            return CompletedBlocks(positions, positions, self._rows[:0])
+        done = slots[positions]
+        block_starts = self._block_start[done]
+        whole = self._floor[done] <= block_starts  # a block begun mid-way is never complete
+        self._block_start[done] = block_starts + bs
+        self._floor[done] = np.maximum(self._floor[done], block_starts + bs)
+        positions, done, block_starts = positions[whole], done[whole], block_starts[whole]
+        return CompletedBlocks(positions, block_starts // bs, self._rows[done])
 
     def take_tail(self, request_id: str) -> TailRows:
         """Remove the request and return its rows after the last full block.
 
-        Call after :meth:`take_full_blocks`. The tail starts at a block
-        boundary; if the request began mid-block (a partial external hit) and
-        never crossed a boundary, its tail block lacks rows and this raises.
+        If the request began mid-block (a partial external hit) and never crossed a boundary,
+        its tail block lacks rows and this raises.
         """
-        req = self._get(request_id)
-        bs = self._layout.block_size
-        start = (req.end // bs) * bs
-        if req.end // bs > -(-req.floor // bs):
-            raise ValueError(
-                f"request {request_id!r}: full blocks up to token {start} were not taken; "
-                "call take_full_blocks before take_tail"
-            )
-        if start < req.floor:  # only possible when the request began mid-block
-            if req.end > req.floor:
+        slot = self._get(request_id)
+        end = int(self._end[slot])
+        if end == _NO_ROWS:
+            self.drop(request_id)
+            return TailRows(0, self._layout.empty(0))
+        block_start, floor = int(self._block_start[slot]), int(self._floor[slot])
+        start = block_start
+        if start < floor:  # only possible when the request began mid-block
+            if end > floor:
                 self.drop(request_id)
                 raise RowGapError(
                     f"request {request_id!r}: its last block starts at token {start} but "
-                    f"rows before token {req.floor} were never buffered (partial cache hit)."
+                    f"rows before token {floor} were never buffered (partial cache hit)."
                 )
-            start = req.floor
-        rows = req.data[start - req.base : req.count].copy()
+            start = floor
+        rows = self._rows[slot, start - block_start : end - block_start].copy()
         self.drop(request_id)
         return TailRows(start, rows)
 
     def drop(self, request_id: str) -> None:
         """Forget a request's unpublished rows (abort); unknown ids are ignored."""
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self._allocated -= req.data.nbytes
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._end[slot] = _NO_ROWS
+            self._free.append(slot)
 
     # ----------------------------------------------------------------- helpers
 
-    def _get(self, request_id: str) -> _Request:
+    def _get(self, request_id: str) -> int:
         try:
-            return self._requests[request_id]
+            return self._slots[request_id]
         except KeyError:
             raise UnknownRequestError(
                 f"request {request_id!r} has no buffered R3 rows (never appended or dropped)"
             ) from None
 
-    def _alloc(self, num_rows: int) -> np.ndarray:
-        return self._layout.empty(num_rows)
+    def _open_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot = len(self._slots)
+        if slot >= len(self._end):
+            self._grow()
+        return slot
 
-    def _grow(self, req: _Request, need: int) -> None:
-        row = self._layout.row_nbytes
-        old = req.data.nbytes
-        target = max(need, 2 * len(req.data), _MIN_ROWS)
-        if self._allocated - old + target * row > self._max_bytes:
-            target = need
-        if self._allocated - old + target * row > self._max_bytes:
+    def _grow(self) -> None:
+        n = len(self._end)
+        if n >= self._max_slots:
             raise BufferCapacityError(
-                f"R3 request buffer is full ({self._allocated} of {self._max_bytes} bytes) "
-                f"and cannot grow for request; raise the buffer limit or lower "
-                "max_num_batched_tokens / max_num_seqs."
+                f"R3 request buffer is full ({self.nbytes} of {self._max_bytes} bytes, one "
+                f"block per request) and cannot hold another request; raise the buffer limit "
+                "or lower max_num_seqs."
             )
-        data = self._alloc(target)
-        data[: req.count] = req.data[: req.count]
-        req.data = data
-        self._allocated += data.nbytes - old
-
-    def _compact(self, req: _Request, cut: int, new_base: int) -> None:
-        """Drop rows before index ``cut``; they are published now."""
-        keep = req.count - cut
-        data = req.data
-        if len(data) > 4 * max(keep, _MIN_ROWS):
-            new = self._alloc(max(2 * keep, _MIN_ROWS))
-            self._allocated += new.nbytes - data.nbytes
-            req.data = new
-        req.data[:keep] = data[cut : cut + keep]
-        req.base = new_base
-        req.floor = new_base
-        req.count = keep
+        new = min(2 * n, self._max_slots)
+        rows = self._layout.empty(new * self._bs).reshape(new, self._bs, *self._layout.row_shape)
+        rows[:n] = self._rows
+        self._rows = rows
+        self._block_start = np.concatenate([self._block_start, np.zeros(new - n, np.int64)])
+        self._end = np.concatenate([self._end, np.full(new - n, _NO_ROWS, np.int64)])
+        self._floor = np.concatenate([self._floor, np.zeros(new - n, np.int64)])

@@ -106,7 +106,7 @@ def full_block_items(
 
     ``keys[i]`` is the key of block ``first_block + i``; ``rows`` holds
     ``len(keys) * block_size`` rows (as returned by
-    :meth:`RequestRowBuffer.take_full_blocks`).
+    :meth:`RequestRowBuffer.append`).
     """
     if len(rows) != len(keys) * block_size:
         raise CoverageError(f"{len(rows)} rows are not {len(keys)} blocks of {block_size}")

@@ -12,6 +12,11 @@ below is unit-tested without an engine:
 * rows are emitted once per sampled step; rows the KV cache served are read from the store
   after flushing the publisher (so a block completed by another request is durable first);
 * any error for one request becomes an :class:`R3Failure` for that request only.
+
+A step arrives column-wise (:class:`StepBatch`, what the model runner has anyway). Requests in
+steady decode (one new row, nothing pending, cursors in step) take a vectorized path: one
+buffer write for all of them and one output object each, so the per-step cost of a big decode
+batch stays far below a GPU step; every other entry takes the general per-request path.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError
 
-__all__ = ["EmittedRows", "RequestTracker", "StepRows", "eviction_id"]
+__all__ = ["EmittedRows", "RequestTracker", "StepBatch", "StepResult", "StepRows", "eviction_id"]
 
 logger = logging.getLogger("vllm.artifact.tracker")
 
@@ -57,6 +62,41 @@ class StepRows(NamedTuple):
     sampled: bool  # the step sampled a token for this request (the scheduler takes rows)
 
 
+class StepBatch(NamedTuple):
+    """One finished engine step, column-wise: entry ``i`` is request ``request_ids[i]``, which
+    ran from token ``token_starts[i]`` (possibly optimistic) with ``num_scheduled[i]`` tokens
+    (drafts included); its kept rows (rejected drafts cut) are
+    ``rows[row_starts[i]:row_ends[i]]``; ``sampled[i]`` says the scheduler takes rows."""
+
+    request_ids: Sequence[str]
+    token_starts: np.ndarray
+    num_scheduled: np.ndarray
+    row_starts: np.ndarray
+    row_ends: np.ndarray
+    sampled: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, entries: Sequence[StepRows]) -> StepBatch:
+        """A batch from per-request entries (tests and callers without step arrays)."""
+        lengths = np.array([len(entry.rows) for entry in entries], dtype=np.int64)
+        ends = np.cumsum(lengths)
+        rows = (
+            np.concatenate([entry.rows for entry in entries])
+            if entries
+            else np.zeros((0, 1, 1), np.uint8)
+        )
+        return cls(
+            [entry.request_id for entry in entries],
+            np.array([entry.token_start for entry in entries], dtype=np.int64),
+            np.array([entry.num_scheduled for entry in entries], dtype=np.int64),
+            ends - lengths,
+            ends,
+            np.array([entry.sampled for entry in entries], dtype=bool),
+            rows,
+        )
+
+
 class EmittedRows(NamedTuple):
     """Rows for tokens ``[token_start, token_start + len(rows))``."""
 
@@ -65,8 +105,75 @@ class EmittedRows(NamedTuple):
 
 
 @dataclass
+class StepResult:
+    """One step's rows for the scheduler: requests in steady decode column-wise (one row
+    each, no per-request object), every other request's rows or failure in ``entries``.
+
+    It crosses the worker -> scheduler process boundary as is (pickled), so a decode batch
+    costs one array and one list there too; :meth:`rows_of` is the scheduler's lookup.
+    """
+
+    entries: dict[str, EmittedRows | R3Failure] = field(default_factory=dict)
+    decode_ids: list[str] = field(default_factory=list)
+    decode_token_starts: list[int] = field(default_factory=list)
+    decode_rows: np.ndarray | None = None  # [len(decode_ids), layers, top_k]
+    # request id -> (token_start, rows), built on first lookup (one C-level pass)
+    _rows_by_id: dict[str, tuple[int, np.ndarray]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_rows_by_id": None}  # rebuilt lazily on the other side
+
+    def rows_of(self, request_id: str) -> tuple[int, np.ndarray] | None:
+        """The request's ``(token_start, rows)`` this step; None if it has none or failed."""
+        return self.rows_by_id().get(request_id)
+
+    def rows_by_id(self) -> dict[str, tuple[int, np.ndarray]]:
+        """Every request's ``(token_start, rows)`` this step (failed ones excluded)."""
+        rows_by_id = self._rows_by_id
+        if rows_by_id is None:
+            rows_by_id = self._rows_by_id = {
+                rid: entry for rid, entry in self.entries.items() if isinstance(entry, EmittedRows)
+            }
+            if self.decode_ids:
+                assert self.decode_rows is not None
+                views = zip(self.decode_token_starts, self.decode_rows[:, None], strict=True)
+                rows_by_id.update(zip(self.decode_ids, views, strict=True))
+        return rows_by_id
+
+    def get(self, request_id: str) -> EmittedRows | R3Failure | None:
+        """The request's rows or failure this step, if any."""
+        entry = self.entries.get(request_id)
+        if entry is not None:
+            return entry
+        found = self.rows_of(request_id)
+        return None if found is None else EmittedRows(*found)
+
+    def __getitem__(self, request_id: str) -> EmittedRows | R3Failure:
+        entry = self.get(request_id)
+        if entry is None:
+            raise KeyError(request_id)
+        return entry
+
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, str) and self.get(request_id) is not None
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.decode_ids)
+
+    def failures(self) -> dict[str, R3Failure]:
+        """The requests that failed this step."""
+        return {rid: e for rid, e in self.entries.items() if isinstance(e, R3Failure)}
+
+
+@dataclass
 class _Track:
+    """A request's state. While its slot is in steady decode (``RequestTracker._ready_at``),
+    the cursors below are stale and the slot's entry is the truth; see ``_leave_fast``."""
+
     emit_cursor: int  # first token whose row the scheduler has not received yet
+    slot: int = -1  # its row-buffer slot once it has captured rows
     keys: list[ObjectKey] = field(default_factory=list)  # block i -> keys[i]
     hashes: list[bytes] = field(default_factory=list)  # block i -> its KV block hash
     unkeyed: dict[int, np.ndarray] = field(default_factory=dict)  # complete blocks, no hash yet
@@ -100,6 +207,8 @@ class RequestTracker:
         self._publisher = publisher
         self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes)
         self._tracks: dict[str, _Track] = {}
+        # Per buffer slot: the token a steady-decode step must start at, or -1 (general path).
+        self._ready_at = np.full(64, -1, dtype=np.int64)
         self._pinned: dict[int, ObjectKey] = {}  # eviction id of a KV block -> object pinned
         self.namespace = Namespace(model_id, layout, "default")
         self.unmatched_evictions = 0  # KV evictions of blocks we never pinned
@@ -173,6 +282,7 @@ class RequestTracker:
         track = self._tracks.get(request_id)
         if track is None:
             return
+        self._leave_fast(track)
         track.finished = True
         track.tail = tail
         if track.in_flight == 0:
@@ -192,24 +302,48 @@ class RequestTracker:
                 )
             track.in_flight += 1
 
-    def step_finished(self, step: Sequence[StepRows]) -> dict[str, EmittedRows | R3Failure]:
+    def step_finished(self, step: StepBatch) -> StepResult:
         """Record one finished step; returns each request's new rows or its failure."""
-        outputs: dict[str, EmittedRows | R3Failure] = {}
-        to_emit: list[tuple[str, _Track, int]] = []
-        ready: list[BlockRun | PinChange] = []
-        for entry in step:
-            track = self._tracks[entry.request_id]
+        ids = step.request_ids
+        tracks = [self._tracks[request_id] for request_id in ids]
+        for track in tracks:
             track.in_flight -= 1
+        slots = np.fromiter((track.slot for track in tracks), np.int64, len(tracks))
+        fast = (
+            (slots >= 0)
+            & (self._ready_at[slots] == step.token_starts)
+            & (step.row_ends - step.row_starts == 1)
+            & (step.num_scheduled == 1)
+            & step.sampled
+        )
+        result = StepResult()
+        outputs = result.entries
+        ready: list[BlockRun | PinChange] = []
+        fast_entries = np.flatnonzero(fast)
+        if len(fast_entries):
+            ready += self._decode_fast(step, fast_entries, slots, tracks, result)
+        slow_entries = np.flatnonzero(~fast).tolist() if len(fast_entries) < len(ids) else []
+        to_emit: list[tuple[str, _Track, int]] = []
+        for i in slow_entries:
+            track, request_id = tracks[i], ids[i]
+            self._leave_fast(track)
             if track.failure is not None:
                 continue
             try:
+                entry = StepRows(
+                    request_id,
+                    int(step.token_starts[i]),
+                    int(step.num_scheduled[i]),
+                    step.rows[int(step.row_starts[i]) : int(step.row_ends[i])],
+                    bool(step.sampled[i]),
+                )
                 token_end = self._capture(entry, track)
                 ready += self._keyed_blocks(track)
             except Exception as error:  # one request's fault must not stop the engine
-                self._fail(entry.request_id, track, error)
+                self._fail(request_id, track, error)
             else:
                 if entry.sampled and track.emit_cursor <= token_end:
-                    to_emit.append((entry.request_id, track, token_end))
+                    to_emit.append((request_id, track, token_end))
         # Publish first: a request of this step may hit a block another one just completed.
         self._submit(ready)
         for request_id, track, token_end in to_emit:
@@ -217,17 +351,75 @@ class RequestTracker:
                 outputs[request_id] = self._emit(track, token_end)
             except Exception as error:
                 self._fail(request_id, track, error)
-        for entry in step:
-            track_or_none = self._tracks.get(entry.request_id)
-            if track_or_none is None:
+        for i in slow_entries:
+            track, request_id = tracks[i], ids[i]
+            if request_id not in self._tracks:
                 continue
-            track = track_or_none
             if track.failure is not None and not track.failure_sent:
-                outputs[entry.request_id] = track.failure
+                outputs[request_id] = track.failure
                 track.failure_sent = True
             if track.finished and track.in_flight == 0:
-                self._teardown(entry.request_id)
-        return outputs
+                self._teardown(request_id)
+            else:
+                self._enter_fast(track)
+        return result
+
+    def _decode_fast(
+        self,
+        step: StepBatch,
+        entries: np.ndarray,
+        slots: np.ndarray,
+        tracks: list[_Track],
+        result: StepResult,
+    ) -> list[BlockRun | PinChange]:
+        """Steady-decode entries: one row each, written and emitted for all of them at once."""
+        slots = slots[entries]
+        tokens = step.token_starts[entries]
+        rows = step.rows[step.row_starts[entries]]  # gathered: the result does not pin the step
+        completed = self._buffer.append_one_each(slots, tokens, rows)
+        self._ready_at[slots] = tokens + 1
+        ids = step.request_ids
+        result.decode_ids = (
+            list(ids) if len(entries) == len(ids) else [ids[i] for i in entries.tolist()]
+        )
+        result.decode_token_starts = tokens.tolist()
+        result.decode_rows = rows
+        ready: list[BlockRun | PinChange] = []
+        for position, block_index, block in zip(
+            completed.positions.tolist(),
+            completed.block_indices.tolist(),
+            completed.rows,
+            strict=True,
+        ):
+            track = tracks[int(entries[position])]
+            track.unkeyed[block_index] = block
+            ready += self._keyed_blocks(track)
+        return ready
+
+    def _enter_fast(self, track: _Track) -> None:
+        """Let the request's next steps take the steady-decode path if its state allows."""
+        end = track.capture_end
+        if (
+            track.slot >= 0
+            and end is not None
+            and track.failure is None
+            and not track.finished
+            and track.pending_count == 0
+            and track.emit_cursor == end
+            and track.scheduled_end == end
+            and int(self._buffer.ends(np.array([track.slot]))[0]) == end
+        ):
+            self._ready_at[track.slot] = end
+
+    def _leave_fast(self, track: _Track) -> None:
+        """Bring the request's cursors back from its steady-decode slot (general path next)."""
+        if track.slot < 0:
+            return
+        token = int(self._ready_at[track.slot])
+        if token >= 0:
+            track.emit_cursor = track.capture_end = track.scheduled_end = token
+            track.pending_start = token
+            self._ready_at[track.slot] = -1
 
     # -------------------------------------------------------------- internals
 
@@ -244,7 +436,13 @@ class RequestTracker:
             token_start = track.capture_end
         track.scheduled_end = token_start + entry.num_scheduled
         rows = entry.rows
-        self._buffer.append(entry.request_id, token_start, rows)
+        if track.slot < 0:
+            track.slot = self._buffer.slot(entry.request_id)
+            if track.slot >= len(self._ready_at):
+                grown = np.full(max(2 * len(self._ready_at), track.slot + 1), -1, np.int64)
+                grown[: len(self._ready_at)] = self._ready_at
+                self._ready_at = grown
+        blocks = self._buffer.append(entry.request_id, token_start, rows)
         token_end = token_start + len(rows)
         if track.pending_start is None:
             track.pending_start = token_start
@@ -257,7 +455,6 @@ class RequestTracker:
         track.pending.append(rows)
         track.pending_count += len(rows)
         track.capture_end = token_end
-        blocks = self._buffer.take_full_blocks(entry.request_id)
         for i in range(blocks.num_blocks):
             track.unkeyed[blocks.first_block + i] = blocks.block(i, self._layout.block_size)
         return token_end
@@ -342,13 +539,13 @@ class RequestTracker:
         logger.error("vllm-artifact: %s", message)
         track.failure = R3Failure(reason, message)
         track.pending = []
-        track.pending_count = 0
-        if request_id in self._buffer:
-            self._buffer.drop(request_id)
+        track.pending_count = 0  # buffered rows go at teardown (the slot stays ours till then)
 
     def _teardown(self, request_id: str) -> None:
         """Forget a finished or aborted request: unpublished rows go, published blocks stay."""
         track = self._tracks.pop(request_id, None)
+        if track is not None and track.slot >= 0:
+            self._ready_at[track.slot] = -1
         if request_id not in self._buffer:
             return
         if track is not None and track.tail is not None and track.failure is None:

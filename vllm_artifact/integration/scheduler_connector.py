@@ -13,6 +13,12 @@ request's executed tokens) and adds what the Artifact Connector needs:
 * a worker-reported :class:`RequestFailure` is recorded instead of tripping vLLM's assertion
   (which would kill the engine); the scheduler then finishes that request with an error.
 
+Two of vLLM's methods are replaced with leaner versions of the same contract, because they run
+for every scheduled request on every step (benchmarks/bench_connector_step.py):
+``build_connector_meta`` sends a request's emit start only when the worker first sees it (our
+worker reads it only then) and packs hashes only for requests that have new ones;
+``take_output`` reads the worker's column-wise :class:`StepResult`.
+
 Everything here is O(new hashes + scheduled requests) per step; nothing proportional to a
 request's length runs at terminal time.
 """
@@ -23,12 +29,16 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+from vllm.distributed.aux_output_connector.connector import (
+    AuxOutputConnectorMetadata,
+    AuxOutputSchedulerConnector,
+    PackedBlockHashes,
+)
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.request import RequestStatus
 
-from vllm_artifact.core.tracker import eviction_id
+from vllm_artifact.core.tracker import StepResult, eviction_id
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
 _DEFAULT_WEIGHT_VERSION = "default"
@@ -47,9 +57,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         hash_block_size: int | None = None,
     ) -> None:
         super().__init__()
-        assert isinstance(getattr(self, "_sent_hash_counts", None), dict), (
-            "vLLM's AuxOutputSchedulerConnector no longer tracks _sent_hash_counts; "
-            "vllm-artifact's scheduler connector was written for vLLM 0.32 and must be updated"
+        assert all(
+            isinstance(getattr(self, name, None), kind)
+            for name, kind in (
+                ("_sent_hash_counts", dict),
+                ("_finished_requests", dict),
+                ("_generation", int),
+            )
+        ), (
+            "vLLM's AuxOutputSchedulerConnector state changed (_sent_hash_counts, "
+            "_finished_requests, _generation); vllm-artifact's scheduler connector was written "
+            "for vLLM 0.32 and must be updated"
         )
         self.weight_version = _DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
@@ -57,6 +75,8 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._tails: dict[str, tuple[bytes, int]] = {}
         self._kv_evicted: list[int] = []
         self._kv_cleared = False
+        self._step_output: StepResult | None = None  # the step output take_output last saw
+        self._step_rows: dict[str, tuple[int, np.ndarray]] = {}
 
     def observe_kv_events(self, events: list[Any] | None) -> None:
         """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
@@ -103,28 +123,90 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
     def build_connector_meta(  # type: ignore[override]
         self, scheduler_output: Any, requests: dict[str, Any]
     ) -> ArtifactStepMetadata:
-        step = super().build_connector_meta(scheduler_output, requests)
         tails, self._tails = self._tails, {}
         evicted, self._kv_evicted = self._kv_evicted, []
         cleared, self._kv_cleared = self._kv_cleared, False
         return ArtifactStepMetadata(
-            step=step,
+            step=self._step_metadata(scheduler_output.num_scheduled_tokens, requests),
             weight_version=self.weight_version,
             tails=tails,
             kv_evicted=evicted,
             kv_cleared=cleared,
         )
 
-    def take_output(self, request: Any, output: dict[str, Any] | None) -> np.ndarray | None:
-        """This step's rows of ``request``; None when there are none (or it failed)."""
-        entry = None if output is None else output.get(request.request_id)
-        if entry is None or isinstance(entry, RequestFailure):
+    def _step_metadata(
+        self, scheduled: dict[str, int], requests: dict[str, Any]
+    ) -> AuxOutputConnectorMetadata:
+        """vLLM's per-step metadata: emit starts of requests the worker has not seen (or that
+        come back after preemption), new block hashes, finished requests."""
+        sent = self._sent_hash_counts
+        new_requests: dict[str, int] = {}
+        hashes: dict[str, PackedBlockHashes] = {}
+        for request_id in scheduled:
+            request = requests[request_id]
+            block_hashes = request.block_hashes
+            num_sent = sent.get(request_id)
+            if num_sent is None:
+                num_sent = sent[request_id] = 0
+                new_requests[request_id] = _emit_start(request)
+            if len(block_hashes) != num_sent:
+                hashes[request_id] = _pack(block_hashes, num_sent)
+                sent[request_id] = len(block_hashes)
+        # A request not scheduled this step (async scheduling) may still have new hashes.
+        if len(sent) != len(scheduled):
+            for request_id, num_sent in sent.items():
+                if request_id in scheduled:
+                    continue
+                block_hashes = requests[request_id].block_hashes
+                if len(block_hashes) != num_sent:
+                    hashes[request_id] = _pack(block_hashes, num_sent)
+                    sent[request_id] = len(block_hashes)
+        finished, self._finished_requests = self._finished_requests, {}
+        hashes.update((rid, packed) for rid, packed in finished.items() if packed is not None)
+        return AuxOutputConnectorMetadata(self._generation, new_requests, hashes, tuple(finished))
+
+    def take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:  # type: ignore[override]
+        """This step's rows of ``request`` up to its last executed token; None when there
+        are none (or it failed). vLLM calls this once per request with the same step output,
+        so the step's lookup table is built once."""
+        if output is not self._step_output:
+            self._step_output = output
+            self._step_rows = {} if output is None else output.rows_by_id()
+        entry = self._step_rows.get(request.request_id)
+        if entry is None:
             return None
-        return super().take_output(request, output)
+        token_start, rows = entry
+        local_end = request.num_tokens - 1 - token_start
+        if local_end == len(rows):
+            return rows
+        if local_end < 0:
+            assert not request.is_finished(), (
+                f"vllm-artifact: finished request {request.request_id} has no R3 rows for its "
+                f"last token (rows start at {token_start})"
+            )
+            return None
+        assert local_end < len(rows), (
+            f"vllm-artifact: request {request.request_id}: the worker sent rows up to token "
+            f"{token_start + len(rows)}, the scheduler expects {request.num_tokens - 1}"
+        )
+        return rows[:local_end]
 
 
-def failures_in(output: dict[str, Any] | None) -> dict[str, RequestFailure]:
+def _emit_start(request: Any) -> int:
+    """First token whose row the request returns (vLLM's rule: the prompt start the sampling
+    params ask for, or the last token of a request resumed after preemption)."""
+    prompt_start = min(
+        request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens
+    )
+    return max(prompt_start, 0 if request.num_output_tokens == 0 else request.num_tokens - 1)
+
+
+def _pack(block_hashes: Any, num_sent: int) -> PackedBlockHashes:
+    assert num_sent <= len(block_hashes), "KV block-hash history shrank"
+    new = block_hashes[num_sent:]
+    return PackedBlockHashes(b"".join(new), len(new[0]))
+
+
+def failures_in(output: StepResult | None) -> dict[str, RequestFailure]:
     """The failed requests of one step's worker output."""
-    if not output:
-        return {}
-    return {rid: entry for rid, entry in output.items() if isinstance(entry, RequestFailure)}
+    return output.failures() if isinstance(output, StepResult) else {}

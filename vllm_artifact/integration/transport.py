@@ -1,26 +1,26 @@
 """Plain dataclasses that travel between vLLM processes (pickled by vLLM's IPC).
 
 Scheduler -> worker: :class:`ArtifactStepMetadata` rides on
-``SchedulerOutput.aux_output_connector_metadata``. Worker -> scheduler: per request either
-vLLM's own ``AuxRequestOutput`` (rows for tokens ``[token_start, token_start + len(rows))``) or
-our :class:`RequestFailure`, inside ``ModelRunnerOutput.aux_output_connector_output``.
+``SchedulerOutput.aux_output_connector_metadata``. Worker -> scheduler: one
+:class:`~vllm_artifact.core.tracker.StepResult` (decode rows column-wise, other requests'
+rows or :class:`RequestFailure`) in ``ModelRunnerOutput.aux_output_connector_output``, where
+vLLM's own connector puts a dict of ``AuxRequestOutput``; only our scheduler connector reads
+it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.aux_output_connector.connector import (
-    AuxOutputConnectorMetadata,
-    AuxRequestOutput,
-)
+from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
 
 # A request whose R3 cannot be delivered completely: the scheduler finishes it with an error.
 # ``reason`` is the error's short reason (``missing``, ``corrupt``, ...); ``message`` says what
 # happened and what to do. It reaches the frontend in ``stop_reason``.
 from vllm_artifact.core.failure import R3Failure as RequestFailure
+from vllm_artifact.core.tracker import StepResult
 
-__all__ = ["ArtifactStepMetadata", "AuxRequestOutput", "RequestFailure", "StepOutput"]
+__all__ = ["ArtifactStepMetadata", "RequestFailure", "StepResult"]
 
 
 @dataclass
@@ -37,7 +37,3 @@ class ArtifactStepMetadata:
     #: it dropped every block (prefix-cache reset): their objects stop being pinned.
     kv_evicted: list[int] = field(default_factory=list)
     kv_cleared: bool = False
-
-
-#: What the worker connector returns for one step.
-StepOutput = dict[str, AuxRequestOutput | RequestFailure]

@@ -30,15 +30,11 @@ from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore, check_shm_space
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
-from vllm_artifact.core.tracker import EmittedRows, RequestTracker, StepRows
+from vllm_artifact.core.tracker import RequestTracker, StepBatch
 from vllm_artifact.errors import WriterConflictError
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
-from vllm_artifact.integration.transport import (
-    ArtifactStepMetadata,
-    AuxRequestOutput,
-    StepOutput,
-)
+from vllm_artifact.integration.transport import ArtifactStepMetadata, StepResult
 
 logger = logging.getLogger("vllm.artifact.worker")
 
@@ -66,7 +62,7 @@ class PendingArtifactStep:
         self.num_rejected = num_rejected
         self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
 
-    def process_output(self) -> StepOutput:
+    def process_output(self) -> StepResult:
         return self.connector.process_output(self)
 
 
@@ -239,32 +235,26 @@ class ArtifactWorkerConnector:
             self._tracker.step_started(request_ids)
         return pending
 
-    def process_output(self, pending: PendingArtifactStep) -> StepOutput:
+    def process_output(self, pending: PendingArtifactStep) -> StepResult:
         """Turn one consumed snapshot into per-request rows (or failures)."""
         rows, sampled, rejected = pending.rows, pending.num_sampled, pending.num_rejected
         assert rows is not None and sampled is not None and rejected is not None, (
             "vllm-artifact: process_output ran before enqueue_cpu_copy"
         )
         assert self._tracker is not None
+        n = len(pending.request_ids)
         starts, ends = pending.query_start_loc[:-1], pending.query_start_loc[1:]
-        step = [
-            StepRows(
-                request_id=request_id,
-                token_start=int(pending.token_starts[i]),
-                num_scheduled=int(ends[i] - starts[i]),
-                rows=rows[int(starts[i]) : int(ends[i]) - int(rejected[i])],
-                sampled=bool(sampled[i] > 0),
-            )
-            for i, request_id in enumerate(pending.request_ids)
-        ]
+        step = StepBatch(
+            request_ids=pending.request_ids,
+            token_starts=pending.token_starts,
+            num_scheduled=ends - starts,
+            row_starts=starts,
+            row_ends=ends - rejected[:n],
+            sampled=sampled[:n] > 0,
+            rows=rows,
+        )
         with self._lock:
-            results = self._tracker.step_finished(step)
-        return {
-            request_id: AuxRequestOutput(result.token_start, result.rows)
-            if isinstance(result, EmittedRows)
-            else result
-            for request_id, result in results.items()
-        }
+            return self._tracker.step_finished(step)
 
     def close(self) -> None:
         with self._lock:

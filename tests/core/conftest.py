@@ -38,11 +38,11 @@ def shm_root() -> Iterator[str]:
 
 
 def rows_for(layout: R3Layout, seed: int, n_tokens: int | None = None) -> np.ndarray:
-    """Deterministic valid rows (dense layers zero) derived from ``seed``."""
+    """Deterministic valid rows (dense layers marked) derived from ``seed``."""
     n = layout.block_size if n_tokens is None else n_tokens
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, layout.num_experts, size=(n, *layout.row_shape)).astype(layout.dtype)
-    rows[:, list(layout.dense_layers), :] = 0
+    layout.mark_dense(rows)
     return rows
 
 

@@ -1,4 +1,4 @@
-"""The core must import neither vLLM nor torch (clients and tools use it alone)."""
+"""The core and the client import neither vLLM nor torch (trainers and tools use them alone)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ CODE = """
 import sys
 import vllm_artifact.core, vllm_artifact.core.store, vllm_artifact.errors
 import vllm_artifact.core.store.shm, vllm_artifact.core.coverage, vllm_artifact.core.buffer
+import vllm_artifact.core.tracker, vllm_artifact.client
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'vllm', 'torch', 'triton'})
 print(','.join(heavy))
 """

@@ -1,4 +1,4 @@
-"""R3 layout: dtype rule, shape checks and the dense-layer mask."""
+"""R3 layout: dtype rule, shape checks, the dense-layer mask and mark."""
 
 from __future__ import annotations
 
@@ -10,24 +10,26 @@ from vllm_artifact.errors import SchemaError
 
 
 @pytest.mark.parametrize(
-    ("experts", "dtype"),
+    ("experts", "top_k", "dtype"),
     [
-        (1, np.uint8),
-        (8, np.uint8),
-        (256, np.uint8),
-        (257, np.uint16),
-        (300, np.uint16),
-        (65536, np.uint16),
+        (1, 1, np.uint8),
+        (8, 2, np.uint8),
+        (255, 1, np.uint8),
+        (256, 8, np.uint8),  # DeepSeek-V3: 255 is an id, but 8 equal ids are no routed row
+        (256, 1, np.uint16),  # top-1: 255 would be ambiguous, so the mark needs uint16
+        (257, 2, np.uint16),
+        (300, 4, np.uint16),
+        (65536, 2, np.uint16),
     ],
 )
-def test_dtype_rule(experts: int, dtype: type) -> None:
-    assert dtype_for_experts(experts) == np.dtype(dtype)
+def test_dtype_rule(experts: int, top_k: int, dtype: type) -> None:
+    assert dtype_for_experts(experts, top_k) == np.dtype(dtype)
 
 
-@pytest.mark.parametrize("experts", [0, 65537, -3])
-def test_dtype_rule_rejects_out_of_range(experts: int) -> None:
+@pytest.mark.parametrize(("experts", "top_k"), [(0, 1), (65537, 2), (-3, 1), (65536, 1)])
+def test_dtype_rule_rejects_out_of_range(experts: int, top_k: int) -> None:
     with pytest.raises(SchemaError):
-        dtype_for_experts(experts)
+        dtype_for_experts(experts, top_k)
 
 
 def test_deepseek_v3_sizes() -> None:
@@ -39,16 +41,21 @@ def test_deepseek_v3_sizes() -> None:
     assert wide.dtype == np.uint16 and wide.row_nbytes == 32
 
 
-def test_dense_layer_mask_tells_dense_from_expert_zero() -> None:
+def test_dense_layer_mask_and_mark_tell_dense_from_expert_zero() -> None:
     lay = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16, dense_layers=(0, 3))
     assert lay.moe_layer_mask.tolist() == [False, True, True, False]
     assert not lay.moe_layer_mask.flags.writeable
-    rows = np.zeros((2, 4, 2), dtype=np.uint8)  # expert 0 everywhere: valid
-    lay.check_ids(rows)
+    assert lay.dense_mark == 255
+    rows = np.zeros((2, 4, 2), dtype=np.uint8)  # what vLLM's capturer leaves: zeros
+    with pytest.raises(SchemaError, match="dense"):
+        lay.check_ids(rows)
+    lay.mark_dense(rows)
+    assert (rows[:, [0, 3]] == 255).all() and not rows[:, [1, 2]].any()
+    lay.check_ids(rows)  # expert 0 in the MoE layers: valid
     rows[0, 3, 1] = 5
     with pytest.raises(SchemaError, match="dense"):
         lay.check_ids(rows)
-    rows[0, 3, 1] = 0
+    rows[0, 3, 1] = 255
     rows[1, 1, 0] = 8
     with pytest.raises(SchemaError, match="expert id 8"):
         lay.check_ids(rows)

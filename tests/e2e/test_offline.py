@@ -14,6 +14,8 @@ import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.engine_probe import assert_matches_oracle
 
+from vllm_artifact.client import decode_r3
+
 pytestmark = pytest.mark.engine
 
 # A chunk budget far below the long prompt's length forces chunked prefill.
@@ -76,7 +78,9 @@ def test_uint16_model_with_dense_layer(model_b: Path, llm_factory: Any) -> None:
         experts = assert_matches_oracle(model_b, output)
         assert experts.dtype == np.uint16
         assert experts.shape[1:] == (4, 4)
-        assert not experts[:, 1, :].any(), "vLLM leaves the dense layer 1 all zeros"
+        # vLLM leaves the dense layer 0 (like expert 0); ours carries the dense mark.
+        assert (experts[:, 1, :] == 65535).all()
+        assert decode_r3(output.outputs[0]).dense_layers == (1,)
         assert experts[:, [0, 2, 3], :].max() > 255, "IDs above 255 need uint16"
 
 

@@ -292,7 +292,7 @@ def test_routing_depends_on_context(oracles: dict[str, RouterOracle]) -> None:
 def _engine_like(o: RouterOracle, dtype: type[np.unsignedinteger]) -> np.ndarray:
     """What vLLM returns: unsigned IDs, arbitrary order within top-k, zeros in dense layers."""
     act = np.flip(o.topk_ids, axis=-1).copy()
-    act[:, ~o.moe_layers] = 0
+    act[:, ~o.moe_layers] = np.iinfo(dtype).max  # vllm-artifact's dense-layer mark
     return act.astype(dtype)
 
 
@@ -315,18 +315,21 @@ def test_assert_routing_matches_reports_mismatches(oracles: dict[str, RouterOrac
     t = 5
     wrong = next(e for e in range(o.num_experts) if e not in o.topk_ids[t, layer])
     act[t, layer, 0] = wrong
+    mark = int(np.iinfo(np.uint16).max)
     with pytest.raises(AssertionError, match=rf"token {t} .*layer {layer}.*logit gap"):
-        assert_routing_matches(act, o)
+        assert_routing_matches(act, o, dense_mark=mark)
     # A tolerance above this row's gap lets it pass.
-    assert_routing_matches(act, o, near_tie_gap=float(o.topk_gap[t, layer]) + 1.0)
+    assert_routing_matches(act, o, near_tie_gap=float(o.topk_gap[t, layer]) + 1.0, dense_mark=mark)
 
     act = _engine_like(o, np.uint16)
-    act[0, 1, 0] = 7  # dense layer 1 must be zeros
+    act[0, 1, 0] = 0  # dense layer 1 must hold the mark, not expert 0
     with pytest.raises(AssertionError, match="dense layer 1"):
         assert_routing_matches(act, o)
+    with pytest.raises(TypeError, match="dense_mark"):
+        assert_routing_matches(act.astype(np.int64), o)
     with pytest.raises(AssertionError, match="shape"):
         assert_routing_matches(act[:-1], o)
     act = _engine_like(o, np.uint16).astype(np.int64)
     act[9, 0] = act[9, 0, 0]  # duplicated IDs are not the expected set
     with pytest.raises(AssertionError, match="token 9 "):
-        assert_routing_matches(act, o)
+        assert_routing_matches(act, o, dense_mark=mark)

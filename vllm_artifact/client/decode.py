@@ -1,16 +1,38 @@
-"""Decode the ``routed_experts`` field of an HTTP response into a numpy array.
+"""Decode routed experts (R3) as a trainer receives them: over HTTP or offline.
 
 The server sends base64 of an ``.npy`` file written with ``allow_pickle=False``; decoding uses
 pybase64 (an order of magnitude faster than the stdlib for multi-MiB payloads) and refuses
 pickled content, so a hostile payload cannot execute code.
+
+Dense (non-MoE) layers carry the dtype's largest value in every entry (``255`` for ``uint8``,
+``65535`` for ``uint16``), never a routing decision: a token's top-k ids are distinct, so for
+top-k >= 2 a routed row never repeats one id, and for top-1 models the server's dtype leaves
+the largest value unused. :func:`dense_layers` finds them from the array alone.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import pybase64
+
+__all__ = ["RoutedExperts", "decode_r3", "decode_routed_experts", "dense_layers"]
+
+
+class RoutedExperts(NamedTuple):
+    """One completion's R3: ``experts[t, l, k]`` is the k-th expert token ``t`` was routed to
+    in layer ``l``, for every layer in ``moe_layers``; ``dense_layers`` have no router."""
+
+    experts: np.ndarray
+    dense_layers: tuple[int, ...]
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.experts.shape[1]) if i not in dense)
 
 
 def decode_routed_experts(payload: str | bytes) -> np.ndarray:
@@ -19,4 +41,46 @@ def decode_routed_experts(payload: str | bytes) -> np.ndarray:
     array = np.load(io.BytesIO(raw), allow_pickle=False)
     if array.ndim != 3:
         raise ValueError(f"routed_experts must be a 3-D array, got shape {array.shape}")
+    if array.dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"routed_experts must be uint8 or uint16, got {array.dtype}")
     return array
+
+
+def dense_layers(experts: np.ndarray) -> tuple[int, ...]:
+    """Layers whose every entry is the dense-layer mark (the dtype's largest value).
+
+    An array without rows has no evidence: it reports no dense layer.
+    """
+    if experts.shape[0] == 0:
+        return ()
+    mark = np.iinfo(experts.dtype).max
+    return tuple(int(i) for i in np.flatnonzero((experts == mark).all(axis=(0, 2))))
+
+
+def decode_r3(source: Any) -> RoutedExperts:
+    """R3 of one completion, from whatever the caller holds:
+
+    * a base64 ``.npy`` payload (``str`` / ``bytes``);
+    * an HTTP response choice: raw JSON (``dict``) or the ``openai`` client's choice object
+      (``response.choices[i]``; ``routed_experts`` is an extra field there);
+    * an offline ``CompletionOutput`` (``outputs[i].outputs[j]``) or its numpy array.
+    """
+    if isinstance(source, np.ndarray):
+        experts = source
+    elif isinstance(source, str | bytes):
+        experts = decode_routed_experts(source)
+    else:
+        field = (
+            source.get("routed_experts")
+            if isinstance(source, Mapping)
+            else getattr(source, "routed_experts", None)
+        )
+        if field is None:
+            raise ValueError(
+                "this choice carries no routed_experts: start the server with "
+                "--enable-routed-experts (offline: LLM(..., enable_routed_experts=True)); only "
+                "the terminal choice of a stream carries them, and a request that failed closed "
+                "has none (its stop_reason says why: vllm_artifact.client.r3_failure)"
+            )
+        return decode_r3(field)
+    return RoutedExperts(experts, dense_layers(experts))

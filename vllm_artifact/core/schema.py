@@ -6,10 +6,15 @@ before any expert-parallel remapping). The dtype follows one rule: ``uint8``
 when the model has at most 256 experts, ``uint16`` otherwise, so a 32K-token
 DeepSeek-V3 sample stays at 464 B/token.
 
-Dense (non-MoE) layers have no router; their entries are 0, which a trainer
-cannot tell from expert 0. The layout therefore names the dense layers
-explicitly (``dense_layers`` / ``moe_layer_mask``); the integration ships that
-mask next to every array.
+Dense (non-MoE) layers have no router. vLLM leaves their entries 0, which a
+trainer cannot tell from expert 0; here every entry of a dense layer holds the
+*dense mark*, the dtype's largest value (255 / 65535), which no routing row can
+hold: a token's top-k ids are distinct, so for top-k >= 2 a routed row never
+repeats one id, and for top-1 models the dtype rule leaves the largest value
+unused (a top-1 model with exactly 256 experts gets ``uint16``). A consumer
+therefore finds dense layers from the array alone
+(``vllm_artifact.client.dense_layers``), and a trainer that indexes a router
+with a dense entry by mistake fails instead of silently using expert 0.
 """
 
 from __future__ import annotations
@@ -33,13 +38,21 @@ MAX_LAYERS = 4096
 DTYPE_CODES: dict[str, int] = {"uint8": 1, "uint16": 2}
 
 
-def dtype_for_experts(num_experts: int) -> np.dtype[np.unsignedinteger]:
-    """Return the R3 dtype for a model with ``num_experts`` routed experts."""
+def dtype_for_experts(num_experts: int, top_k: int) -> np.dtype[np.unsignedinteger]:
+    """The R3 dtype for ``num_experts`` routed experts and top-``top_k`` routing: the smallest
+    that holds every id and leaves the largest value free to mark dense layers."""
     if not 1 <= num_experts <= _UINT16_EXPERTS:
         raise SchemaError(
             f"num_experts={num_experts} is outside 1..{_UINT16_EXPERTS}; R3 ids must fit in uint16."
         )
-    return np.dtype(np.uint8) if num_experts <= _UINT8_EXPERTS else np.dtype(np.uint16)
+    for dtype, capacity in ((np.uint8, _UINT8_EXPERTS), (np.uint16, _UINT16_EXPERTS)):
+        # With top-k >= 2 the mark (all k entries equal) cannot be a routed row even when
+        # the largest value is a valid id.
+        if num_experts < capacity or (num_experts == capacity and top_k >= 2):
+            return np.dtype(dtype)
+    raise SchemaError(
+        f"{num_experts} experts with top-1 routing leave no uint16 value to mark dense layers"
+    )
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,8 @@ class R3Layout:
     """Geometry of R3 rows for one model and one KV block size.
 
     ``num_layers`` counts every layer that appears in a row (vLLM's capturer
-    writes all hidden layers; dense ones stay 0). ``dense_layers`` lists the
-    indices of layers without a router. ``block_size`` is the KV-cache block
+    writes all hidden layers). ``dense_layers`` lists the indices of layers
+    without a router; their entries hold :attr:`dense_mark`. ``block_size`` is the KV-cache block
     size in tokens: one store object holds the rows of one KV block.
     """
 
@@ -67,7 +80,7 @@ class R3Layout:
             raise SchemaError(f"R3Layout.num_layers={self.num_layers} exceeds {MAX_LAYERS}")
         if self.top_k > self.num_experts:
             raise SchemaError(f"R3Layout.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        dtype_for_experts(self.num_experts)
+        dtype_for_experts(self.num_experts, self.top_k)
         dense = tuple(self.dense_layers)
         if any(not isinstance(i, int) or isinstance(i, bool) for i in dense):
             raise SchemaError("R3Layout.dense_layers must hold ints")
@@ -82,8 +95,13 @@ class R3Layout:
 
     @cached_property
     def dtype(self) -> np.dtype[np.unsignedinteger]:
-        """``uint8`` for <= 256 experts, else ``uint16``."""
-        return dtype_for_experts(self.num_experts)
+        """``uint8`` for <= 256 experts, else ``uint16`` (see :func:`dtype_for_experts`)."""
+        return dtype_for_experts(self.num_experts, self.top_k)
+
+    @cached_property
+    def dense_mark(self) -> int:
+        """The value of every entry of a dense layer: the dtype's largest, never a routed row."""
+        return int(np.iinfo(self.dtype).max)
 
     @cached_property
     def dtype_code(self) -> int:
@@ -109,7 +127,7 @@ class R3Layout:
     def moe_layer_mask(self) -> np.ndarray:
         """Bool ``[num_layers]``: True where the layer has a router.
 
-        Entries of False layers are always 0 and are *not* expert ids.
+        Entries of False layers are :attr:`dense_mark`, *not* expert ids.
         """
         mask = np.ones(self.num_layers, dtype=bool)
         mask[list(self.dense_layers)] = False
@@ -120,9 +138,9 @@ class R3Layout:
         """Stable text form, used in key namespaces and store headers."""
         dense = ",".join(str(i) for i in self.dense_layers)
         return (
-            f"r3-layout/v1;layers={self.num_layers};top_k={self.top_k};"
+            f"r3-layout/v2;layers={self.num_layers};top_k={self.top_k};"
             f"experts={self.num_experts};block={self.block_size};dense=[{dense}];"
-            f"dtype={self.dtype.name}"
+            f"dtype={self.dtype.name};dense_mark={self.dense_mark}"
         )
 
     def empty(self, num_tokens: int) -> np.ndarray:
@@ -149,8 +167,17 @@ class R3Layout:
             )
         return np.ascontiguousarray(rows)
 
+    def mark_dense(self, rows: np.ndarray) -> None:
+        """Set every dense-layer entry of ``rows`` to :attr:`dense_mark` (in place)."""
+        if self.dense_layers:
+            rows[:, self._dense_index, :] = self.dense_mark
+
+    @cached_property
+    def _dense_index(self) -> np.ndarray:
+        return np.array(self.dense_layers, dtype=np.intp)
+
     def check_ids(self, rows: np.ndarray, *, what: str = "rows") -> None:
-        """Check expert ids are < num_experts and dense layers are all 0."""
+        """Check expert ids are < num_experts and dense layers hold the dense mark."""
         if rows.size == 0:
             return
         moe = rows[:, self.moe_layer_mask, :]
@@ -158,5 +185,5 @@ class R3Layout:
             raise SchemaError(
                 f"{what} hold expert id {int(moe.max())} >= num_experts={self.num_experts}"
             )
-        if self.dense_layers and rows[:, list(self.dense_layers), :].any():
-            raise SchemaError(f"{what} have non-zero entries in dense layers")
+        if self.dense_layers and (rows[:, self._dense_index, :] != self.dense_mark).any():
+            raise SchemaError(f"{what} have entries other than {self.dense_mark} in dense layers")

@@ -242,6 +242,10 @@ class ArtifactWorkerConnector:
             "vllm-artifact: process_output ran before enqueue_cpu_copy"
         )
         assert self._tracker is not None
+        if rows.dtype != self._layout.dtype:  # only top-1 models with exactly 256 experts
+            rows = rows.astype(self._layout.dtype)
+        # vLLM leaves dense layers 0 (expert 0's id): mark them, see core/schema.py.
+        self._layout.mark_dense(rows)
         n = len(pending.request_ids)
         starts, ends = pending.query_start_loc[:-1], pending.query_start_loc[1:]
         step = StepBatch(

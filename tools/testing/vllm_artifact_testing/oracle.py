@@ -174,15 +174,17 @@ def assert_routing_matches(
     *,
     rows: slice | None = None,
     near_tie_gap: float = 0.0,
+    dense_mark: int | None = None,
 ) -> None:
     """Check routed experts ``actual`` [T, L, k] against the oracle, row by row.
 
     ``rows`` picks the oracle rows ``actual`` stands for (default: all; e.g.
     ``slice(0, n)`` when the engine returned experts for the first n tokens).
     Each MoE-layer row is compared as a multiset (the order within the top-k is
-    not part of the contract); dense-layer rows must be all zeros, which is what
-    vLLM writes there. Mismatches at rows whose logit gap is below
-    ``near_tie_gap`` are tolerated (default 0: none are).
+    not part of the contract); every entry of a dense layer must be
+    ``dense_mark`` (default: the largest value of ``actual``'s unsigned dtype, the
+    mark vllm-artifact writes; vLLM's own connector leaves 0 there). Mismatches at
+    rows whose logit gap is below ``near_tie_gap`` are tolerated (default 0: none are).
     Raises AssertionError naming the first mismatching token and layer.
     """
     act = np.asarray(actual)
@@ -195,17 +197,22 @@ def assert_routing_matches(
             f"routed experts have shape {act.shape}, expected {expected.shape} "
             f"(oracle has {oracle.num_tokens} tokens, rows={rows})"
         )
+    if dense_mark is None:
+        if act.dtype not in (np.uint8, np.uint16):
+            raise TypeError(f"pass dense_mark for routed experts of dtype {act.dtype}")
+        dense_mark = int(np.iinfo(act.dtype).max)
     act = act.astype(np.int64)
 
     dense = ~oracle.moe_layers
     if dense.any():
-        bad = np.argwhere(act[:, dense, :] != 0)
+        bad = np.argwhere(act[:, dense, :] != dense_mark)
         if len(bad):
             t, li, _ = bad[0]
             layer = int(np.flatnonzero(dense)[li])
             raise AssertionError(
-                f"dense layer {layer} must hold zeros, token {first_row[t]} has "
-                f"{act[t, layer].tolist()} ({len(bad)} nonzero entries in dense layers)"
+                f"dense layer {layer} must hold the dense mark {dense_mark}, token "
+                f"{first_row[t]} has {act[t, layer].tolist()} ({len(bad)} other entries in "
+                "dense layers)"
             )
 
     moe = np.flatnonzero(oracle.moe_layers)

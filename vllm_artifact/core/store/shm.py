@@ -52,10 +52,12 @@ from vllm_artifact.core.store.shm_arena import (
 )
 from vllm_artifact.core.store.shm_gc import StaleStoreDir, WriterLock, collect_expired_stores
 from vllm_artifact.core.store.shm_index import HashIndex
+from vllm_artifact.core.store.shm_metrics import METRICS_NAME, StoreMetrics
 from vllm_artifact.core.store.shm_root import (
     _lexical,
     check_shm_space,
     default_root,
+    open_file,
     open_root,
     open_store_dir,
 )
@@ -195,6 +197,8 @@ class ShmStore(ObjectStore):
         self._stride = arena.geometry.slot_nbytes
         self._mutex = threading.RLock()
         self.recovery = recovery
+        self._metrics: StoreMetrics | None = None  # the writer's counters (metrics export)
+        self._counted_at = 0.0  # monotonic time after which occupancy is counted again
 
     # ------------------------------------------------------------------ opening
 
@@ -238,6 +242,9 @@ class ShmStore(ObjectStore):
                         continue
                     try:
                         arena, recovery = cls._open_writer_arena(dir_fd, geometry, root_path, where)
+                        metrics = StoreMetrics.create(
+                            open_file(dir_fd, METRICS_NAME, os.O_RDWR | os.O_CREAT, where=where)
+                        )
                     except BaseException:
                         lock.release()
                         raise
@@ -247,6 +254,8 @@ class ShmStore(ObjectStore):
                 os.close(root_fd)
             store = cls(root=root_path, name=name, arena=arena, lock=lock, recovery=recovery)
             store._adopt()
+            store._metrics = metrics
+            store._count_occupancy(force=True)
             return store
         raise StoreError(f"could not open R3 store {where!r}: it kept being replaced")
 
@@ -371,6 +380,22 @@ class ShmStore(ObjectStore):
                 writable=self.writable,
             )
 
+    def _count_occupancy(self, *, force: bool = False) -> None:
+        """Refresh the writer's exported occupancy gauges after puts and pin changes (at most
+        every 0.2 s unless forced: counting scans the slot table; scrapes come seconds apart)."""
+        now = time.monotonic()
+        if self._metrics is None or self._slots is None or (now < self._counted_at and not force):
+            return
+        self._counted_at = now + 0.2
+        stats = self.stats()
+        self._metrics.set_occupancy(
+            objects=stats.objects,
+            bytes_used=stats.bytes_used,
+            capacity_bytes=stats.capacity_bytes,
+            pinned=stats.pinned_objects,
+            evictions=stats.evictions,
+        )
+
     def heartbeat(self) -> None:
         """Refresh the writer's liveness marker (also done on every put)."""
         if self._lock is not None:
@@ -456,6 +481,7 @@ class ShmStore(ObjectStore):
 
     def _read(self, keys: Sequence[ObjectKey], dest: _Dest) -> None:
         """Locate, copy and verify ``keys`` into ``dest`` (seqlock-retrying)."""
+        started = time.perf_counter()
         words = keys_to_words(keys)
         suspicious = False
         row_nbytes = self._layout.row_nbytes
@@ -488,6 +514,8 @@ class ShmStore(ObjectStore):
                 continue
             if self._slots is not None:
                 self._slots.touch(loc.slots)
+            if self._metrics is not None:
+                self._metrics.observe_read(time.perf_counter() - started, len(keys))
             return
         raise self._missing(keys, np.ones(len(keys), dtype=bool), "replaced while being read")
 
@@ -591,6 +619,13 @@ class ShmStore(ObjectStore):
             self._put_batch(batch, pin)
 
     def _put_batch(self, batch: _Batch, pin: bool) -> None:
+        started = time.perf_counter()
+        self._put_batch_untimed(batch, pin)
+        if self._metrics is not None:
+            self._metrics.observe_publish(time.perf_counter() - started, len(batch.keys))
+            self._count_occupancy()
+
+    def _put_batch_untimed(self, batch: _Batch, pin: bool) -> None:
         _, slots_tab = self._writer()
         words = keys_to_words(batch.keys)
         loc = self._locate(words)
@@ -767,6 +802,7 @@ class ShmStore(ObjectStore):
             _, slots_tab = self._writer()
             loc = self._locate(keys_to_words(keys))
             slots_tab.pin(loc.slots[loc.present])
+            self._count_occupancy()
             return [bool(x) for x in loc.present.tolist()]
 
     def unpin(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -778,6 +814,7 @@ class ShmStore(ObjectStore):
             result = np.zeros(len(keys), dtype=bool)
             idx = np.flatnonzero(loc.present)
             result[idx] = slots_tab.unpin(loc.slots[idx])
+            self._count_occupancy()
             return [bool(x) for x in result.tolist()]
 
 

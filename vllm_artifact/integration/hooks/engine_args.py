@@ -16,6 +16,8 @@ from typing import Any
 from vllm.engine import arg_utils
 
 from vllm_artifact.integration import options, validation
+from vllm_artifact.integration.config import ArtifactConfig
+from vllm_artifact.integration.metrics import register_store_metrics
 
 _WRAPPED = ("add_cli_args", "from_cli_args", "__init__", "create_engine_config")
 for _name in _WRAPPED:
@@ -97,6 +99,8 @@ def _create_engine_config(original: Any) -> Any:
             raise ours from err
         validation.check_vllm_config(vllm_config)
         validation.set_scheduler_cls(vllm_config)
+        # This process serves /metrics when it is vLLM's API server.
+        register_store_metrics(ArtifactConfig.from_vllm_config(vllm_config).root)
         return vllm_config
 
     return create_engine_config

@@ -9,6 +9,8 @@ message in ``stop_reason``), but its OpenAI server answers every errored request
   :func:`vllm_artifact.client.r3_failure`);
 * ``GenerateBaseServing._raise_if_error`` (``vllm/entrypoints/generate/base/serving.py``):
   raise vLLM's ``GenerationError`` (HTTP 500) with that message instead of the generic one.
+
+The first wrap also counts such requests by reason (``vllm_artifact_failed_requests_total``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import RequestState
 
 from vllm_artifact.core.failure import r3_failure
+from vllm_artifact.integration.metrics import FAILED_REQUESTS
 
 for _owner, _name in (
     (RequestState, "make_request_output"),
@@ -78,6 +81,7 @@ def _wrap_make_request_output(original: Any) -> Any:
             failure = r3_failure(stop_reason)
             if failure is not None:
                 FAILURES.remember(self.external_req_id, failure.message)
+                FAILED_REQUESTS.labels(failure.reason).inc()
         return original(
             self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs
         )

@@ -1,0 +1,147 @@
+"""Writer-side counters of one /dev/shm store, readable by other processes (metrics export).
+
+The writer process knows what readers cannot see in the arena: pins, evictions, and how long
+publications and reads take. It keeps them in a small file next to the arena (``metrics``,
+float64 words) so an exporter in another process (vLLM's API server serving ``/metrics``)
+reads them without talking to the engine. One writer per store (flock); each word is written
+by one thread (publication by the publishing thread, reads by the step thread), so plain stores
+suffice; a reader may see a histogram mid-update, which Prometheus tolerates (counters only
+grow).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["LATENCY_BUCKETS", "METRICS_NAME", "Histogram", "MetricsSnapshot", "StoreMetrics"]
+
+METRICS_NAME = "metrics"
+#: Upper bounds (seconds) of the publish and read latency histograms; +Inf is implied.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+_MAGIC = 0x52334D4554524943  # "R3METRIC"
+_NB = len(LATENCY_BUCKETS) + 1  # finite buckets + Inf
+# Layout of the float64 words.
+_MAGIC_AT, _OBJECTS, _BYTES, _CAPACITY, _PINNED, _EVICTIONS = range(6)
+_PUBLISHED, _READ = 6, 7
+_PUBLISH_HIST = 8  # _NB bucket counts, then sum, then count
+_READ_HIST = _PUBLISH_HIST + _NB + 2
+_WORDS = _READ_HIST + _NB + 2
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative bucket counts (``le`` -> count, last is +Inf), sum and count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+    count: float
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    objects: int
+    bytes_used: int
+    capacity_bytes: int
+    pinned_objects: int
+    evictions: int
+    published_objects: int
+    read_objects: int
+    publish_seconds: Histogram
+    read_seconds: Histogram
+
+
+class StoreMetrics:
+    """The writer's counters, mapped from ``<store dir>/metrics``."""
+
+    def __init__(self, words: np.ndarray) -> None:
+        self._w = words
+
+    @classmethod
+    def create(cls, fd: int) -> StoreMetrics:
+        """Start counting for a writer on the open ``metrics`` file ``fd`` (closed here);
+        counters restart with the writer process."""
+        try:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, _WORDS * 8)
+            mapping = mmap.mmap(fd, _WORDS * 8)
+        finally:
+            os.close(fd)
+        words = np.frombuffer(mapping, dtype=np.float64)
+        words[_MAGIC_AT] = float(_MAGIC)
+        return cls(words)
+
+    @staticmethod
+    def read(store_dir: Path) -> MetricsSnapshot | None:
+        """A copy of a store's counters; None if it has none (yet) or they are not ours."""
+        try:
+            fd = os.open(store_dir / METRICS_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            raw = os.read(fd, _WORDS * 8)
+        finally:
+            os.close(fd)
+        if len(raw) != _WORDS * 8:
+            return None
+        w = np.frombuffer(raw, dtype=np.float64)
+        if w[_MAGIC_AT] != float(_MAGIC):
+            return None
+        return MetricsSnapshot(
+            objects=int(w[_OBJECTS]),
+            bytes_used=int(w[_BYTES]),
+            capacity_bytes=int(w[_CAPACITY]),
+            pinned_objects=int(w[_PINNED]),
+            evictions=int(w[_EVICTIONS]),
+            published_objects=int(w[_PUBLISHED]),
+            read_objects=int(w[_READ]),
+            publish_seconds=_histogram(w, _PUBLISH_HIST),
+            read_seconds=_histogram(w, _READ_HIST),
+        )
+
+    def set_occupancy(
+        self, *, objects: int, bytes_used: int, capacity_bytes: int, pinned: int, evictions: int
+    ) -> None:
+        w = self._w
+        w[_OBJECTS], w[_BYTES], w[_CAPACITY] = objects, bytes_used, capacity_bytes
+        w[_PINNED], w[_EVICTIONS] = pinned, evictions
+
+    def observe_publish(self, seconds: float, objects: int) -> None:
+        self._w[_PUBLISHED] += objects
+        self._observe(_PUBLISH_HIST, seconds)
+
+    def observe_read(self, seconds: float, objects: int) -> None:
+        self._w[_READ] += objects
+        self._observe(_READ_HIST, seconds)
+
+    def _observe(self, at: int, seconds: float) -> None:
+        w = self._w
+        bucket = int(np.searchsorted(LATENCY_BUCKETS, seconds))  # first bound >= seconds
+        w[at + bucket] += 1
+        w[at + _NB] += seconds
+        w[at + _NB + 1] += 1
+
+
+def _histogram(w: np.ndarray, at: int) -> Histogram:
+    cumulative = np.cumsum(w[at : at + _NB])
+    bounds = (*LATENCY_BUCKETS, float("inf"))
+    return Histogram(
+        tuple(zip(bounds, cumulative.tolist(), strict=True)), float(w[at + _NB]), w[at + _NB + 1]
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,11 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.server import RunningServer, vllm_server
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
-from vllm_artifact.client import decode_routed_experts
+from vllm_artifact.client import decode_r3
 
 pytestmark = pytest.mark.engine
 
@@ -53,10 +56,13 @@ def post(server: RunningServer, path: str, body: dict[str, Any]) -> dict[str, An
 
 
 def check_choice(model: Path, prompt_ids: list[int], choice: dict[str, Any]) -> np.ndarray:
-    experts = decode_routed_experts(choice["routed_experts"])
+    decoded = decode_r3(choice)
+    experts = decoded.experts
     executed = prompt_ids + choice["token_ids"][:-1]
     assert experts.shape[0] == len(executed)
-    assert_routing_matches(experts, hf_router_topk(model, executed))
+    oracle = hf_router_topk(model, executed)
+    assert_routing_matches(experts, oracle)
+    assert decoded.dense_layers == tuple(np.flatnonzero(~oracle.moe_layers).tolist())
     return experts
 
 
@@ -163,3 +169,43 @@ def test_corrupt_store_fails_one_request_with_a_clear_http_error(
     }
     choice = post(server_a, "/v1/completions", fresh)["choices"][0]
     check_choice(model_a, choice["prompt_token_ids"], choice)
+
+
+def test_rl_rollout_example_against_the_server(server_a: RunningServer, model_a: Path) -> None:
+    """examples/rl_rollout.py: a batch through the async openai client, R3 decoded and checked."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "rl_rollout.py"
+    spec = importlib.util.spec_from_file_location("rl_rollout", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rollouts = asyncio.run(example.main_async(server_a.base_url + "/v1", str(model_a), 8))
+    assert len(rollouts) == len(example.PROMPTS)
+    assert all(item.r3.experts.shape[1:] == (4, 2) for item in rollouts)
+
+
+def test_prometheus_metrics_on_vllms_metrics_endpoint(server_a: RunningServer) -> None:
+    """After the tests above (prefix hits, a corrupted store): store gauges, counters and
+    latency histograms, and the requests that failed closed, on vLLM's own /metrics."""
+    text = requests.get(server_a.base_url + "/metrics", timeout=60).text
+    samples = {
+        (family.name, sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+    def value(sample_name: str, **labels: str) -> float:
+        found = [
+            v
+            for (_, name, sample_labels), v in samples.items()
+            if name == sample_name and set(labels.items()) <= set(sample_labels)
+        ]
+        assert len(found) == 1, f"{sample_name} {labels}: {found}"
+        return found[0]
+
+    assert value("vllm_artifact_store_objects") > 0
+    assert value("vllm_artifact_store_capacity_bytes") >= value("vllm_artifact_store_bytes") > 0
+    assert value("vllm_artifact_published_objects_total") > 0
+    assert value("vllm_artifact_read_objects_total") > 0  # prefix hits served from the store
+    assert value("vllm_artifact_publish_seconds_count") > 0
+    assert value("vllm_artifact_read_seconds_bucket", le="+Inf") > 0
+    assert value("vllm_artifact_failed_requests_total", reason="corrupt") >= 1

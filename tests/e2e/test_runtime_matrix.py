@@ -6,6 +6,7 @@
   that outlived the first engine (vLLM's in-process store dies here).
 * Preemption under a KV cache too small for the batch: recomputed rows replace what was
   buffered, and every completion still equals the oracle.
+* Asynchronous scheduling (kept on by the CPU test switch) with prefix hits from the store.
 """
 
 from __future__ import annotations
@@ -103,3 +104,25 @@ def test_preemption_recompute_matches_oracle(
     assert preemptions > 0, "the KV cache was meant to force preemption"
     for output in outputs:
         check(model_a, output)
+
+
+def test_async_scheduling_with_prefix_caching(
+    model_a: Path, store_root: Path, llm_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU platform turns async scheduling off; the CPU test switch keeps it on, so
+    ArtifactAsyncScheduler runs with steps planned ahead of the previous step's output."""
+    monkeypatch.setenv("ARTIFACT_CPU_ASYNC_SCHEDULING", "1")
+    llm = llm_factory(model_a, artifact_root=str(store_root / "async"), async_scheduling=True)
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    assert scheduler_config.async_scheduling
+    assert str(scheduler_config.scheduler_cls).endswith("ArtifactAsyncScheduler")
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    prompts = [PROMPT, "Async scheduling plans the next step before this one is read back."]
+    for output in llm.generate(prompts, sampled):
+        check(model_a, output)
+    before = connector_stats(llm)["reads"]
+    again = llm.generate(prompts, sampled)
+    for output in again:
+        check(model_a, output)
+    assert again[0].num_cached_tokens >= 32
+    assert connector_stats(llm)["reads"] > before, "prefix R3 must come from the store"

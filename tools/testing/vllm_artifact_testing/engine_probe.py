@@ -34,17 +34,18 @@ def connector_stats(llm: Any) -> dict[str, int]:
     return next(s for s in llm.collective_rpc(stats) if s)
 
 
-def executed_tokens(output: Any) -> list[int]:
-    """Tokens that went through a forward pass: the prompt and all generated but the last."""
-    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+def executed_tokens(output: Any, index: int = 0) -> list[int]:
+    """Tokens that went through a forward pass for completion ``index``: the prompt and all
+    generated but the last."""
+    return list(output.prompt_token_ids) + list(output.outputs[index].token_ids)[:-1]
 
 
-def assert_matches_oracle(model: str | Path, output: Any) -> np.ndarray:
-    """The completion's routed experts equal the transformers oracle on every executed token;
-    returns them."""
-    experts = output.outputs[0].routed_experts
-    assert isinstance(experts, np.ndarray), f"no routed experts: {output.outputs[0]}"
-    tokens = executed_tokens(output)
+def assert_matches_oracle(model: str | Path, output: Any, index: int = 0) -> np.ndarray:
+    """Completion ``index``'s routed experts equal the transformers oracle on every executed
+    token; returns them."""
+    experts = output.outputs[index].routed_experts
+    assert isinstance(experts, np.ndarray), f"no routed experts: {output.outputs[index]}"
+    tokens = executed_tokens(output, index)
     assert experts.shape[0] == len(tokens)
     assert_routing_matches(experts, hf_router_topk(model, tokens))
     return experts

@@ -7,6 +7,8 @@
 * Preemption under a KV cache too small for the batch: recomputed rows replace what was
   buffered, and every completion still equals the oracle.
 * Asynchronous scheduling (kept on by the CPU test switch) with prefix hits from the store.
+* N-gram speculative decoding (MRV2's n-gram speculator; on CPU its drafts come from the CPU
+  support package's PyTorch proposer): rows of rejected drafts never reach the output.
 """
 
 from __future__ import annotations
@@ -126,3 +128,61 @@ def test_async_scheduling_with_prefix_caching(
         check(model_a, output)
     assert again[0].num_cached_tokens >= 32
     assert connector_stats(llm)["reads"] > before, "prefix R3 must come from the store"
+
+
+def spec_decode_counters(llm: Any) -> dict[str, float]:
+    """vLLM's speculative decoding counters (needs ``disable_log_stats=False``)."""
+    names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+    return {
+        name: sum(metric.value for metric in llm.get_metrics() if metric.name == name)
+        for name in names
+    }
+
+
+def test_ngram_speculative_decoding_matches_oracle(
+    model_a: Path, store_root: Path, llm_factory: Any
+) -> None:
+    """Each step verifies 3 n-gram drafts per request; R3 holds exactly the executed tokens
+    (accepted drafts kept, rejected drafts' rows cut), also when the prefix comes from the
+    store."""
+    llm = llm_factory(
+        model_a,
+        artifact_root=str(store_root / "ngram"),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+        disable_log_stats=False,
+    )
+    assert llm.llm_engine.vllm_config.speculative_config.method == "ngram"
+
+    def proposer(worker: Any) -> tuple[str, bool]:
+        speculator = worker.model_runner.speculator
+        return type(speculator).__name__, getattr(speculator.propose, "_artifact_cpu_ngram", False)
+
+    # MRV2's n-gram speculator, its Triton kernels replaced by the CPU support package.
+    assert llm.collective_rpc(proposer) == [("NgramGPUSpeculator", True)]
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [
+        PROMPT,
+        "one two three four five one two three four five one two three four five one two",
+        " ".join(["the cat sat on the mat and the dog sat on the log"] * 4),
+    ]
+    first = llm.generate(prompts, greedy)
+    for output in first:
+        check(model_a, output)
+    counters = spec_decode_counters(llm)
+    drafted = counters["vllm:spec_decode_num_draft_tokens"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected: {counters}"
+
+    before = connector_stats(llm)["reads"]
+    again = llm.generate(prompts, greedy)
+    assert again[0].num_cached_tokens >= 32
+    assert connector_stats(llm)["reads"] > before, "prefix R3 must come from the store"
+    for output, earlier in zip(again, first, strict=True):
+        check(model_a, output)
+        assert output.outputs[0].token_ids == earlier.outputs[0].token_ids
+        assert (output.outputs[0].routed_experts == earlier.outputs[0].routed_experts).all()

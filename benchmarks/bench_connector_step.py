@@ -204,6 +204,7 @@ def ours(root: str) -> tuple[Config, Callable[[], None]]:
     worker._generation = 0
     worker._step_active = False
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
+    worker._layout = LAYOUT
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)

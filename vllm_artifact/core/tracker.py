@@ -22,7 +22,7 @@ batch stays far below a GPU step; every other entry takes the general per-reques
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -239,13 +239,20 @@ class RequestTracker:
 
     def add_block_hashes(self, request_id: str, block_hashes: Iterable[bytes]) -> None:
         """KV block hashes of the request's next full blocks, in order."""
-        track = self._tracks.get(request_id)
-        if track is None:
-            return
-        hashes = [bytes(h) for h in block_hashes]
-        track.hashes.extend(hashes)
-        track.keys.extend(full_block_keys(self.namespace, hashes))
-        self._submit(self._keyed_blocks(track))
+        self.add_block_hashes_of({request_id: block_hashes})
+
+    def add_block_hashes_of(self, updates: Mapping[str, Iterable[bytes]]) -> None:
+        """:meth:`add_block_hashes` for many requests (one step's), published as one batch."""
+        ready: list[BlockRun | PinChange] = []
+        for request_id, block_hashes in updates.items():
+            track = self._tracks.get(request_id)
+            if track is None:
+                continue
+            hashes = [bytes(h) for h in block_hashes]
+            track.hashes.extend(hashes)
+            track.keys.extend(full_block_keys(self.namespace, hashes))
+            ready += self._keyed_blocks(track)
+        self._submit(ready)
 
     def kv_evicted(self, eviction_ids: Iterable[int]) -> None:
         """The KV cache dropped these blocks (ids from :func:`eviction_id`): their objects may
@@ -486,8 +493,14 @@ class RequestTracker:
         return runs
 
     def _submit(self, runs: list[BlockRun | PinChange]) -> None:
-        if runs:
-            self._publisher.submit(runs)
+        """Queue one publication: every block first, then their pins in one change (the
+        publisher writes consecutive block runs as one store batch)."""
+        if not runs:
+            return
+        blocks = [run for run in runs if isinstance(run, BlockRun)]
+        pins = [key for run in runs if isinstance(run, PinChange) for key in run.keys]
+        assert all(run.pin for run in runs if isinstance(run, PinChange))
+        self._publisher.submit([*blocks, PinChange(pins, pin=True)] if pins else blocks)
 
     def _emit(self, track: _Track, token_end: int) -> EmittedRows:
         """Rows ``[emit_cursor, token_end)``: store rows for a prefix hit, then captured rows."""

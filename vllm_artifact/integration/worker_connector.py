@@ -208,8 +208,7 @@ class ArtifactWorkerConnector:
                 self._generation = step.generation
             for request_id, emit_start in step.requests.items():
                 tracker.admit(request_id, int(emit_start))
-            for request_id, packed in step.block_hashes.items():
-                tracker.add_block_hashes(request_id, packed)
+            tracker.add_block_hashes_of(step.block_hashes)
             # After publishing (and pinning) newly keyed blocks: a block may be evicted already.
             if metadata.kv_cleared:
                 tracker.kv_cleared()

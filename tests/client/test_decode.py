@@ -110,3 +110,12 @@ def test_missing_field_and_hostile_payloads_fail_clearly() -> None:
     with pytest.raises(ValueError, match="uint8 or uint16"):
         decode_routed_experts(npy_b64(np.zeros((2, 3, 2), np.int64)))
     assert pickle.loads(pickle.dumps(decode_r3(npy_b64(r3())))).dense_layers == (1,)
+
+
+def test_decoded_array_is_writable_and_fortran_payloads_decode() -> None:
+    rows = r3()
+    decoded = decode_routed_experts(npy_b64(rows))
+    decoded[0, 0, 0] = 7  # a trainer may edit in place
+    np.testing.assert_array_equal(decode_routed_experts(npy_b64(np.asfortranarray(rows))), rows)
+    with pytest.raises(ValueError, match="does not hold"):
+        decode_routed_experts(base64.b64encode(base64.b64decode(npy_b64(rows))[:-3]))

@@ -21,6 +21,9 @@ import pybase64
 
 __all__ = ["RoutedExperts", "decode_r3", "decode_routed_experts", "dense_layers"]
 
+#: Upper bound on an ``.npy`` header we accept (numpy's own default limit).
+_MAX_HEADER = 10000
+
 
 class RoutedExperts(NamedTuple):
     """One completion's R3: ``experts[t, l, k]`` is the k-th expert token ``t`` was routed to
@@ -36,13 +39,34 @@ class RoutedExperts(NamedTuple):
 
 
 def decode_routed_experts(payload: str | bytes) -> np.ndarray:
-    """Return the ``[tokens, layers, top_k]`` expert-ID array carried by ``payload``."""
-    raw = pybase64.b64decode(payload, validate=True)
-    array = np.load(io.BytesIO(raw), allow_pickle=False)
+    """Return the ``[tokens, layers, top_k]`` expert-ID array carried by ``payload``.
+
+    The array is a writable view of the decoded buffer (no second copy, unlike ``np.load``):
+    ~2 ms instead of ~5 ms for a 32K-token DeepSeek-V3 sample (docs/benchmarks.md).
+    """
+    raw = pybase64.b64decode_as_bytearray(payload, validate=True)
+    header = io.BytesIO(memoryview(raw)[:_MAX_HEADER])
+    try:
+        version = np.lib.format.read_magic(header)
+        readers: dict[tuple[int, int], Any] = {  # numpy's stubs lack max_header_size
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }
+        read_header = readers.get(version)
+        if read_header is None:
+            raise ValueError(f".npy format version {version} is not supported")
+        shape, fortran_order, dtype = read_header(header, max_header_size=_MAX_HEADER)
+    except ValueError as error:
+        raise ValueError(f"routed_experts is not an .npy payload: {error}") from None
+    if dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"routed_experts must be uint8 or uint16, got {dtype}")
+    count = int(np.prod(shape))
+    if len(raw) - header.tell() != count * dtype.itemsize:
+        raise ValueError(f"routed_experts payload does not hold {shape} {dtype} values")
+    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=header.tell())
+    array = flat.reshape(shape, order="F" if fortran_order else "C")
     if array.ndim != 3:
         raise ValueError(f"routed_experts must be a 3-D array, got shape {array.shape}")
-    if array.dtype not in (np.uint8, np.uint16):
-        raise ValueError(f"routed_experts must be uint8 or uint16, got {array.dtype}")
     return array
 
 

@@ -1,0 +1,775 @@
+"""End-to-end cost of R3 over HTTP: R3 off vs vLLM's own routed experts vs vllm-artifact.
+
+Three ``vllm serve`` processes of the same tiny MoE model (Model Runner V2, the CPU engine
+settings of ``vllm_artifact_testing.engine_env``) stay up side by side:
+
+* ``off``:  our plugin loaded, R3 not requested (the plugin must be inert);
+* ``vllm``: vLLM 0.32's own routed experts (``--enable-return-routed-experts``) with our plugins
+  excluded through ``VLLM_PLUGINS`` (only the CPU support plugin loads);
+* ``ours``: ``--enable-routed-experts`` with a private store root under /dev/shm.
+
+Every round runs each workload once per configuration, one batch at a time (never two servers
+at once: this machine has 2 cores), rotating the configuration order each round so that drift
+of the machine hits all three alike. The prefix cache is reset before every batch (vLLM's
+dev-mode endpoint) and every round has its own prompts.
+
+Workloads:
+
+* ``decode``:  many concurrent requests, short distinct prompts, long outputs (``ignore_eos``);
+* ``prefill``: long prompts (a shared system prefix plus a distinct body), 4 output tokens;
+* ``chat``:    concurrent multi-turn conversations; each turn resends the whole conversation,
+  so the previous turns are prefix-cache hits (for ``ours`` their R3 is read from the store).
+
+Printed per workload: medians over rounds of output tokens/s and of request latency (all
+requests of all rounds pooled), ratios ours/off and ours/vLLM (with the per-round range),
+prefix-cache hit rate (``/metrics`` counters and ``cached_tokens`` of the responses), peak RSS
+of each server's process tree and the store's bytes. Targets (issue 6): ours/off >= 0.97 and
+ours >= vLLM's own in throughput (and the same bounds on latency), hit rate with R3 on equal
+to R3 off.
+
+Run: ``.venv/bin/python benchmarks/bench_e2e.py [--rounds N] [--decode-requests N] [--quick]
+[--json FILE]`` (15-25 minutes with the defaults on 2 shared cores, most of it the decode
+workload; ``--decode-requests 32`` adds about a third; ``--quick`` takes about 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+import requests
+from vllm_artifact_testing.server import RunningServer, vllm_server
+from vllm_artifact_testing.tiny_models import ensure_tiny_model, training_corpus
+
+from vllm_artifact.client import decode_routed_experts
+
+CONFIGS = ("off", "vllm", "ours")
+LABELS = {"off": "R3 off", "vllm": "vLLM's own R3", "ours": "vllm-artifact"}
+#: ours/off must keep this share of throughput; ours/vLLM at least 1.
+TARGET_VS_OFF = 0.97
+TARGET_VS_VLLM = 1.00
+#: Special tokens of the tiny model's tokenizer are 0..2; prompts use ordinary ids only.
+TOKEN_LOW, TOKEN_HIGH = 3, 512
+#: Our register() log line, and the line our worker connector logs when it opens the store.
+OUR_HOOKS_LINE = "vllm-artifact: hooks installed"
+OUR_STORE_LINE = "vllm-artifact: R3 store root="
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+@dataclass(frozen=True)
+class Sizes:
+    decode_requests: int = 16
+    decode_prompt: int = 64
+    decode_tokens: int = 128
+    prefill_requests: int = 32
+    prefill_prompt: int = 1000
+    prefill_shared: int = 256  # shared system prefix inside each prefill prompt
+    prefill_tokens: int = 4
+    chat_conversations: int = 8
+    chat_turns: int = 4
+    chat_tokens: int = 16
+
+
+QUICK = Sizes(
+    decode_requests=8,
+    decode_tokens=32,
+    prefill_requests=8,
+    chat_conversations=4,
+    chat_turns=2,
+    chat_tokens=8,
+)
+
+
+@dataclass
+class Batch:
+    """One workload batch on one server."""
+
+    elapsed: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, summed
+    hits: float = 0.0  # /metrics prefix-cache counters, delta over the batch
+    queries: float = 0.0
+    #: request (index, or (conversation, turn)) -> response; checked after timing
+    responses: dict[object, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
+
+
+def decode_prompts(sizes: Sizes, round_index: int) -> list[list[int]]:
+    rng = random.Random(f"decode-{round_index}")
+    return [random_prompt(rng, sizes.decode_prompt) for _ in range(sizes.decode_requests)]
+
+
+def prefill_prompts(sizes: Sizes, round_index: int) -> list[list[int]]:
+    rng = random.Random(f"prefill-{round_index}")
+    shared = random_prompt(rng, sizes.prefill_shared)
+    body = sizes.prefill_prompt - sizes.prefill_shared
+    return [shared + random_prompt(rng, body) for _ in range(sizes.prefill_requests)]
+
+
+def chat_script(sizes: Sizes, round_index: int) -> tuple[str, list[list[str]]]:
+    """A system prompt shared by every conversation, and each conversation's user turns."""
+    sentences = training_corpus(seed=1000 + round_index, num_sentences=400)[40:]
+    rng = random.Random(f"chat-{round_index}")
+    system = "You are a router. " + " ".join(sentences[:12])
+    users = [
+        [" ".join(rng.sample(sentences, 3 if turn == 0 else 2)) for turn in range(sizes.chat_turns)]
+        for _ in range(sizes.chat_conversations)
+    ]
+    return system, users
+
+
+# ------------------------------------------------------------------------------ HTTP
+
+
+def new_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=128)
+    )
+
+
+async def post_json(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[float, dict[str, Any]]:
+    t0 = time.perf_counter()
+    reply = await client.post(url, json=body)
+    latency = time.perf_counter() - t0
+    if reply.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text[:2000]}")
+    result: dict[str, Any] = reply.json()
+    return latency, result
+
+
+def account(batch: Batch, request: object, latency: float, result: dict[str, Any]) -> None:
+    usage = result["usage"]
+    batch.latencies.append(latency)
+    batch.output_tokens += usage["completion_tokens"]
+    batch.prompt_tokens += usage["prompt_tokens"]
+    batch.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    batch.responses[request] = result
+
+
+async def run_completions(
+    server: RunningServer, model: str, prompts: Sequence[list[int]], max_tokens: int
+) -> Batch:
+    batch = Batch()
+    url = server.base_url + "/v1/completions"
+    async with new_client() as client:
+
+        async def one(index: int, prompt: list[int]) -> None:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            account(batch, index, *await post_json(client, url, body))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        batch.elapsed = time.perf_counter() - t0
+    return batch
+
+
+async def run_chat(
+    server: RunningServer, model: str, script: tuple[str, list[list[str]]], max_tokens: int
+) -> Batch:
+    system, conversations = script
+    batch = Batch()
+    url = server.base_url + "/v1/chat/completions"
+    async with new_client() as client:
+
+        async def conversation(index: int, turns: list[str]) -> None:
+            messages = [{"role": "system", "content": system}]
+            for turn, text in enumerate(turns):
+                messages.append({"role": "user", "content": text})
+                body = {
+                    "model": model,
+                    "messages": messages,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                latency, result = await post_json(client, url, body)
+                account(batch, (index, turn), latency, result)
+                reply = result["choices"][0]["message"]["content"] or ""
+                messages.append({"role": "assistant", "content": reply})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(i, t) for i, t in enumerate(conversations)))
+        batch.elapsed = time.perf_counter() - t0
+    return batch
+
+
+def prefix_counters(server: RunningServer) -> tuple[float, float]:
+    """(hits, queries) of vLLM's prefix-cache counters, summed over engines."""
+    text = requests.get(server.base_url + "/metrics", timeout=30).text
+    totals = {"hits": 0.0, "queries": 0.0}
+    for name in totals:
+        pattern = rf"^vllm:prefix_cache_{name}_total(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$"
+        totals[name] = sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+    return totals["hits"], totals["queries"]
+
+
+def reset_prefix_cache(server: RunningServer) -> None:
+    for _ in range(50):
+        reply = requests.post(server.base_url + "/reset_prefix_cache", timeout=60)
+        reply.raise_for_status()
+        if reply.json().get("success"):
+            return
+        time.sleep(0.2)  # blocks still held by a finishing request
+    raise RuntimeError(f"{server.base_url}: /reset_prefix_cache kept failing")
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(sum of peak RSS ``VmHWM``, sum of current RSS) over a process tree, in bytes."""
+    peak = current = 0
+    try:
+        procs = process_tree(pid)
+    except psutil.Error:  # the server is gone
+        return 0, 0
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak += int(line.split()[1]) * 1024
+                elif line.startswith("VmRSS:"):
+                    current += int(line.split()[1]) * 1024
+    return peak, current
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    total = 0.0
+    try:
+        procs = process_tree(pid)
+    except psutil.Error:  # the server is gone
+        return 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def dir_bytes(root: Path) -> tuple[int, int]:
+    """(apparent size, allocated bytes) of every file under ``root``."""
+    apparent = allocated = 0
+    for path in root.rglob("*"):
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if path.is_file():
+                apparent += st.st_size
+                allocated += st.st_blocks * 512
+    return apparent, allocated
+
+
+@contextlib.contextmanager
+def environ(**values: str | None) -> Iterator[None]:
+    old = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def start_servers(
+    stack: contextlib.ExitStack, model: Path, store_root: Path, log_dir: Path
+) -> dict[str, RunningServer]:
+    """The three configurations, started one after the other (each ~40-60 s here)."""
+    # Same serving flags everywhere; dev mode only for POST /reset_prefix_cache.
+    common = ["--enable-prompt-tokens-details"]
+    plans: dict[str, tuple[list[str], dict[str, str | None]]] = {
+        "off": (common, {}),
+        # Only the CPU support plugin: neither our general plugin nor our platform plugin.
+        "vllm": (
+            [*common, "--enable-return-routed-experts"],
+            {"VLLM_PLUGINS": "vllm_artifact_cpu_support"},
+        ),
+        "ours": ([*common, "--enable-routed-experts", "--artifact-root", str(store_root)], {}),
+    }
+    servers: dict[str, RunningServer] = {}
+    for name, (args, env) in plans.items():
+        t0 = time.perf_counter()
+        with environ(VLLM_SERVER_DEV_MODE="1", **env):
+            servers[name] = stack.enter_context(vllm_server(model, args, log_dir=log_dir))
+        print(
+            f"  started {name:<4} ({LABELS[name]}) in {time.perf_counter() - t0:4.0f} s: "
+            f"{servers[name].base_url}, log {servers[name].log_path}",
+            flush=True,
+        )
+    return servers
+
+
+def check_logs(servers: dict[str, RunningServer]) -> list[str]:
+    """Which plugin each server really runs, from its log; returns problems."""
+    problems = []
+    logs = {name: s.log_path.read_text(errors="replace") for name, s in servers.items()}
+    if OUR_HOOKS_LINE not in logs["off"] or OUR_STORE_LINE in logs["off"]:
+        problems.append("off: expected our hooks installed and no R3 store opened")
+    if "vllm-artifact" in logs["vllm"]:
+        problems.append("vllm: our plugin was active (its log mentions vllm-artifact)")
+    if OUR_HOOKS_LINE not in logs["ours"] or OUR_STORE_LINE not in logs["ours"]:
+        problems.append("ours: our hooks or R3 store line missing from the log")
+    return problems
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+@dataclass
+class Workload:
+    name: str
+    describe: str
+    run: Callable[[RunningServer, int], Batch]  # (server, round) -> batch
+
+
+def workloads(model: str, sizes: Sizes) -> list[Workload]:
+    s = sizes
+    return [
+        Workload(
+            "decode",
+            f"{s.decode_requests} concurrent requests, {s.decode_prompt}-token prompts, "
+            f"{s.decode_tokens} output tokens",
+            lambda srv, r: asyncio.run(
+                run_completions(srv, model, decode_prompts(s, r), s.decode_tokens)
+            ),
+        ),
+        Workload(
+            "prefill",
+            f"{s.prefill_requests} concurrent requests, {s.prefill_prompt}-token prompts "
+            f"({s.prefill_shared} shared), {s.prefill_tokens} output tokens",
+            lambda srv, r: asyncio.run(
+                run_completions(srv, model, prefill_prompts(s, r), s.prefill_tokens)
+            ),
+        ),
+        Workload(
+            "chat",
+            f"{s.chat_conversations} concurrent conversations x {s.chat_turns} turns, "
+            f"{s.chat_tokens} output tokens per turn (/v1/chat/completions)",
+            lambda srv, r: asyncio.run(run_chat(srv, model, chat_script(s, r), s.chat_tokens)),
+        ),
+    ]
+
+
+def timed_batch(workload: Workload, server: RunningServer, round_index: int) -> Batch:
+    """One batch from a cold prefix cache, with the prefix-cache counters' deltas."""
+    reset_prefix_cache(server)
+    hits0, queries0 = prefix_counters(server)
+    batch = workload.run(server, round_index)
+    time.sleep(0.5)  # let the last iteration's stats reach /metrics
+    hits1, queries1 = prefix_counters(server)
+    batch.hits, batch.queries = hits1 - hits0, queries1 - queries0
+    return batch
+
+
+def check_r3(config: str, batch: Batch, shape_per_token: tuple[int, int]) -> list[str]:
+    """R3 present and well-shaped exactly where it should be; returns problems."""
+    problems = []
+    for result in batch.responses.values():
+        choice = result["choices"][0]
+        payload = choice.get("routed_experts")
+        if config == "off":
+            if payload is not None:
+                problems.append("off: a response carries routed_experts")
+            continue
+        if payload is None:
+            problems.append(f"{config}: a response has no routed_experts")
+            continue
+        usage = result["usage"]
+        rows = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        experts = decode_routed_experts(payload)
+        if experts.shape != (rows, *shape_per_token):
+            problems.append(f"{config}: routed_experts shape {experts.shape}, expected {rows} rows")
+    return problems
+
+
+def same_r3(a: Batch, b: Batch) -> tuple[int, int]:
+    """(identical, compared) routed_experts arrays of two batches with the same requests."""
+    same = total = 0
+    for request, ra in a.responses.items():
+        rb = b.responses.get(request)
+        if rb is None:
+            continue
+        pa, pb = ra["choices"][0].get("routed_experts"), rb["choices"][0].get("routed_experts")
+        if pa is None or pb is None:
+            continue
+        total += 1
+        same += bool(np.array_equal(decode_routed_experts(pa), decode_routed_experts(pb)))
+    return same, total
+
+
+def warm_up(servers: dict[str, RunningServer], model: str) -> None:
+    """First requests of each shape pay one-off costs; keep them out of the timings."""
+    tiny = Sizes(
+        decode_requests=2,
+        decode_tokens=4,
+        prefill_requests=2,
+        chat_conversations=1,
+        chat_turns=2,
+        chat_tokens=4,
+    )
+    for server in servers.values():
+        for workload in workloads(model, tiny):
+            workload.run(server, -1)
+        reset_prefix_cache(server)
+
+
+def code_version() -> str:
+    """Where the servers import vllm_artifact from, and that tree's git revision."""
+    import vllm_artifact
+
+    package = Path(vllm_artifact.__file__).resolve().parent
+    try:
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=package,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        rev = "no git"
+    return f"{package} ({rev})"
+
+
+def summarize(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 1)")
+    ap.add_argument("--quick", action="store_true", help="small workloads, one round")
+    ap.add_argument(
+        "--workloads", default="decode,prefill,chat", help="comma-separated subset to run"
+    )
+    ap.add_argument(
+        "--decode-requests", type=int, help="concurrent requests of the decode workload (16)"
+    )
+    ap.add_argument("--model", default="qwen3-moe-8x2", help="tiny model variant")
+    ap.add_argument("--json", type=Path, help="write all measurements here (for plotting)")
+    args = ap.parse_args()
+    sizes = QUICK if args.quick else Sizes()
+    if args.decode_requests:
+        sizes = dataclasses.replace(sizes, decode_requests=args.decode_requests)
+    rounds = args.rounds or (1 if args.quick else 3)
+    selected = args.workloads.split(",")
+
+    model_path = ensure_tiny_model(args.model)
+    config = json.loads((model_path / "config.json").read_text())
+    shape_per_token = (config["num_hidden_layers"], config["num_experts_per_tok"])
+    model = str(model_path)
+    chosen = [w for w in workloads(model, sizes) if w.name in selected]
+    load_start = os.getloadavg()
+    started_at = datetime.datetime.now().astimezone()
+    print(
+        f"bench_e2e {started_at:%Y-%m-%d %H:%M %Z}: {rounds} round(s), {os.cpu_count()} CPUs, "
+        f"load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}; "
+        f"model {args.model}; vllm_artifact from {code_version()}"
+    )
+    store_root = Path(tempfile.mkdtemp(prefix="vllm-artifact-bench-e2e-", dir="/dev/shm"))
+    store_root.chmod(0o700)
+    log_dir = Path(tempfile.mkdtemp(prefix="vllm-artifact-bench-e2e-logs-"))
+    batches: dict[tuple[str, str], list[Batch]] = {(w.name, c): [] for w in chosen for c in CONFIGS}
+    same: dict[str, list[int]] = {w.name: [0, 0] for w in chosen}
+    problems: list[str] = []
+    idle_cpu = busy_cpu = 0.0
+    try:
+        with contextlib.ExitStack() as stack:
+            t_start = time.perf_counter()
+            servers = start_servers(stack, model_path, store_root, log_dir)
+            problems += check_logs(servers)
+            warm_up(servers, model)
+            print(f"  servers ready and warmed up in {time.perf_counter() - t_start:.0f} s")
+            pids = {name: s.process.pid for name, s in servers.items()}
+            completed = 0
+            try:
+                for r in range(rounds):
+                    order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
+                    for workload in chosen:
+                        line = [f"  round {r + 1}/{rounds} {workload.name:<7}"]
+                        for name in order:
+                            cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
+                            batch = timed_batch(workload, servers[name], r)
+                            cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
+                            busy_cpu += cpu1[name] - cpu0[name]
+                            idle_cpu += sum(cpu1[n] - cpu0[n] for n in pids if n != name)
+                            problems += check_r3(name, batch, shape_per_token)
+                            batches[(workload.name, name)].append(batch)
+                            line.append(f"{name} {batch.tokens_per_s:6.1f} tok/s")
+                        a, b = (
+                            batches[(workload.name, "vllm")][-1],
+                            batches[(workload.name, "ours")][-1],
+                        )
+                        s_, t_ = same_r3(a, b)
+                        same[workload.name][0] += s_
+                        same[workload.name][1] += t_
+                        for batch in (a, b, batches[(workload.name, "off")][-1]):
+                            batch.responses.clear()
+                        print("  ".join(line), flush=True)
+                    completed = r + 1
+            except (OSError, RuntimeError, httpx.HTTPError, requests.RequestException) as error:
+                # A server died (or was signalled by someone else): report complete rounds.
+                problems.append(
+                    f"aborted in round {completed + 1}: {type(error).__name__}: {error}"
+                )
+                for done in batches.values():
+                    del done[completed:]
+                rounds = completed
+                print(f"  ABORTED in round {completed + 1}: {error}", flush=True)
+            memory = {name: tree_memory(pid) for name, pid in pids.items()}
+            store = dir_bytes(store_root)
+    finally:
+        shutil.rmtree(store_root, ignore_errors=True)
+    load_end = os.getloadavg()
+    if rounds == 0:
+        print("no complete round: nothing to report; " + "; ".join(problems))
+        print(f"server logs kept in {log_dir}")
+        sys.exit(1)
+    report(chosen, batches, same, memory, store, problems, idle_cpu, busy_cpu, rounds, load_end)
+    if args.json:
+        dump_json(
+            args.json,
+            args,
+            sizes,
+            rounds,
+            chosen,
+            batches,
+            memory,
+            store,
+            same,
+            problems,
+            (started_at, load_start, load_end),
+        )
+        print(f"\nmeasurements written to {args.json}")
+    if problems:
+        print(f"server logs kept in {log_dir}")
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def stats(batches: list[Batch]) -> dict[str, float]:
+    latencies = [t for b in batches for t in b.latencies]
+    hits = sum(b.hits for b in batches)
+    queries = sum(b.queries for b in batches)
+    prompt = sum(b.prompt_tokens for b in batches)
+    return {
+        "tok_s": summarize([b.tokens_per_s for b in batches]),
+        "all_tok_s": summarize([(b.output_tokens + b.prompt_tokens) / b.elapsed for b in batches]),
+        "latency": summarize(latencies),
+        "latency_p90": float(np.percentile(latencies, 90)) if latencies else float("nan"),
+        "hit_rate": hits / queries if queries else float("nan"),
+        "cached_rate": sum(b.cached_tokens for b in batches) / prompt if prompt else float("nan"),
+    }
+
+
+def per_round_ratios(num: list[Batch], den: list[Batch]) -> list[float]:
+    return [a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den, strict=True)]
+
+
+def ratios(
+    batches: dict[tuple[str, str], list[Batch]], workload: str
+) -> dict[str, dict[str, float]]:
+    s = {c: stats(batches[(workload, c)]) for c in CONFIGS}
+    out = {}
+    for ref in ("off", "vllm"):
+        rounds = per_round_ratios(batches[(workload, "ours")], batches[(workload, ref)])
+        out[ref] = {
+            "tok_s": s["ours"]["tok_s"] / s[ref]["tok_s"],
+            "latency": s["ours"]["latency"] / s[ref]["latency"],
+            "round_min": min(rounds),
+            "round_max": max(rounds),
+        }
+    return out
+
+
+def report(
+    chosen: list[Workload],
+    batches: dict[tuple[str, str], list[Batch]],
+    same: dict[str, list[int]],
+    memory: dict[str, tuple[int, int]],
+    store: tuple[int, int],
+    problems: list[str],
+    idle_cpu: float,
+    busy_cpu: float,
+    rounds: int,
+    load_end: tuple[float, float, float],
+) -> None:
+    print(f"\nmedians over {rounds} round(s); latency = median (p90) of every request")
+    verdicts: list[tuple[str, bool]] = []
+    for workload in chosen:
+        print(f"\n{workload.name}: {workload.describe}")
+        print(
+            f"  {'config':<15} {'out tok/s':>9} {'all tok/s':>9} {'latency s':>17} "
+            f"{'hit rate':>9} {'cached':>7}"
+        )
+        for c in CONFIGS:
+            s = stats(batches[(workload.name, c)])
+            print(
+                f"  {LABELS[c]:<15} {s['tok_s']:9.1f} {s['all_tok_s']:9.1f} "
+                f"{s['latency']:8.2f} ({s['latency_p90']:6.2f}) {s['hit_rate']:9.1%} "
+                f"{s['cached_rate']:7.1%}"
+            )
+        r = ratios(batches, workload.name)
+        for ref, target in (("off", TARGET_VS_OFF), ("vllm", TARGET_VS_VLLM)):
+            x = r[ref]
+            ok_t = x["tok_s"] >= target
+            ok_l = x["latency"] <= 1 / target
+            print(
+                f"  ours/{ref:<4} tok/s {x['tok_s']:5.3f} (rounds {x['round_min']:.3f}-"
+                f"{x['round_max']:.3f}; target >= {target:.2f}: {verdict(ok_t)})   "
+                f"latency {x['latency']:5.3f} (target <= {1 / target:.3f}: {verdict(ok_l)})"
+            )
+            verdicts += [
+                (f"{workload.name}: ours/{ref} tok/s", ok_t),
+                (f"{workload.name}: ours/{ref} latency", ok_l),
+            ]
+        h_off = stats(batches[(workload.name, "off")])
+        h_ours = stats(batches[(workload.name, "ours")])
+        h_vllm = stats(batches[(workload.name, "vllm")])
+        equal = h_ours["hit_rate"] == h_off["hit_rate"] or (
+            np.isnan(h_ours["hit_rate"]) and np.isnan(h_off["hit_rate"])
+        )
+        print(
+            f"  hit rate ours {h_ours['hit_rate']:.2%} vs off {h_off['hit_rate']:.2%} "
+            f"(vLLM's {h_vllm['hit_rate']:.2%}): {verdict(equal)};  identical R3 arrays "
+            f"ours vs vLLM's: {same[workload.name][0]}/{same[workload.name][1]}"
+        )
+        verdicts.append((f"{workload.name}: hit rate ours == off", equal))
+    print("\nmemory (each server's process tree: API server, engine core, worker)")
+    for c in CONFIGS:
+        peak, current = memory[c]
+        print(f"  {LABELS[c]:<15} peak RSS {peak / 2**30:5.2f} GiB, now {current / 2**30:5.2f} GiB")
+    print(
+        f"  store root of ours: {store[0] / 2**20:.1f} MiB apparent, "
+        f"{store[1] / 2**20:.1f} MiB allocated in /dev/shm"
+    )
+    print(
+        f"\nCPU used by the idle servers while another ran a batch: {idle_cpu:.1f} s "
+        f"(vs {busy_cpu:.1f} s by the busy one); load average at the end {load_end[0]:.2f}"
+    )
+    print("\nsummary")
+    for name, ok in verdicts:
+        print(f"  {verdict(ok)}  {name}")
+    if problems:
+        print(f"\nPROBLEMS ({len(problems)}):")
+        for problem in dict.fromkeys(problems):
+            print(f"  {problem}")
+    else:
+        print(
+            "\nchecks: off returned no R3; vLLM's and ours returned R3 of the right shape on every "
+            "response; logs show our plugin inactive in vLLM's configuration"
+        )
+
+
+def dump_json(
+    path: Path,
+    args: argparse.Namespace,
+    sizes: Sizes,
+    rounds: int,
+    chosen: list[Workload],
+    batches: dict[tuple[str, str], list[Batch]],
+    memory: dict[str, tuple[int, int]],
+    store: tuple[int, int],
+    same: dict[str, list[int]],
+    problems: list[str],
+    when: tuple[datetime.datetime, tuple[float, ...], tuple[float, ...]],
+) -> None:
+    started_at, load_start, load_end = when
+    data: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "code": code_version(),
+        "date": started_at.isoformat(timespec="minutes"),
+        "cpus": os.cpu_count(),
+        "load_start": load_start,
+        "load_end": load_end,
+        "rounds": rounds,
+        "sizes": sizes.__dict__,
+        "targets": {"vs_off": TARGET_VS_OFF, "vs_vllm": TARGET_VS_VLLM},
+        "memory": {c: {"peak_rss": m[0], "rss": m[1]} for c, m in memory.items()},
+        "store_bytes": {"apparent": store[0], "allocated": store[1]},
+        "problems": sorted(set(problems)),
+        "workloads": {},
+    }
+    for workload in chosen:
+        data["workloads"][workload.name] = {
+            "describe": workload.describe,
+            "stats": {c: stats(batches[(workload.name, c)]) for c in CONFIGS},
+            "ratios": ratios(batches, workload.name),
+            "identical_r3": same[workload.name],
+            "batches": {
+                c: [
+                    {
+                        "elapsed": b.elapsed,
+                        "output_tokens": b.output_tokens,
+                        "prompt_tokens": b.prompt_tokens,
+                        "cached_tokens": b.cached_tokens,
+                        "hits": b.hits,
+                        "queries": b.queries,
+                        "latencies": b.latencies,
+                    }
+                    for b in batches[(workload.name, c)]
+                ]
+                for c in CONFIGS
+            },
+        }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import (
@@ -57,66 +58,66 @@ class StoreCollector(Collector):
         return [store_dir for root in roots for store_dir in sorted(root.glob("r3-*"))]
 
     def collect(self) -> Iterator[Metric]:
-        gauges = {
-            "objects": GaugeMetricFamily(
-                "vllm_artifact_store_objects", "R3 objects in the store", labels=["store"]
-            ),
-            "bytes_used": GaugeMetricFamily(
-                "vllm_artifact_store_bytes", "Bytes of the slots in use", labels=["store"]
-            ),
-            "capacity_bytes": GaugeMetricFamily(
-                "vllm_artifact_store_capacity_bytes", "Store size (arena file)", labels=["store"]
-            ),
-            "pinned_objects": GaugeMetricFamily(
-                "vllm_artifact_store_pinned_objects",
-                "Objects pinned because the KV cache still holds their block",
-                labels=["store"],
-            ),
-        }
-        counters = {
-            "evictions": CounterMetricFamily(
-                "vllm_artifact_store_evictions", "Objects evicted for space", labels=["store"]
-            ),
-            "published_objects": CounterMetricFamily(
-                "vllm_artifact_published_objects", "Objects published", labels=["store"]
-            ),
-            "read_objects": CounterMetricFamily(
-                "vllm_artifact_read_objects",
-                "Objects read for prefix-cache hits",
-                labels=["store"],
-            ),
-        }
-        histograms = {
-            "publish_seconds": HistogramMetricFamily(
-                "vllm_artifact_publish_seconds",
-                "Time to publish one batch of objects (background thread)",
-                labels=["store"],
-            ),
-            "read_seconds": HistogramMetricFamily(
-                "vllm_artifact_read_seconds",
-                "Time to read one request's prefix-hit objects (checksums verified)",
-                labels=["store"],
-            ),
+        families = {
+            field: kind(name, doc, labels=["store"]) for field, kind, name, doc in _FAMILIES
         }
         for store_dir in self._store_dirs():
             snapshot = StoreMetrics.read(store_dir)
             if snapshot is None:
                 continue
             label = [store_dir.name]
-            for field, family in gauges.items():
-                family.add_metric(label, getattr(snapshot, field))
-            for field, counter in counters.items():
-                counter.add_metric(label, getattr(snapshot, field))
-            for field, histogram in histograms.items():
-                value: Histogram = getattr(snapshot, field)
-                histogram.add_metric(
-                    label,
-                    [(_le(bound), count) for bound, count in value.buckets],
-                    value.sum,
-                )
-        yield from gauges.values()
-        yield from counters.values()
-        yield from histograms.values()
+            for field, family in families.items():
+                value = getattr(snapshot, field)
+                if isinstance(value, Histogram):
+                    buckets = [(_le(bound), count) for bound, count in value.buckets]
+                    family.add_metric(label, buckets, value.sum)
+                else:
+                    family.add_metric(label, value)
+        yield from families.values()
+
+
+#: Snapshot field -> (metric kind, name, help); counters get ``_total`` from prometheus_client.
+_FAMILIES: tuple[tuple[str, Any, str, str], ...] = (
+    ("objects", GaugeMetricFamily, "vllm_artifact_store_objects", "R3 objects in the store"),
+    ("bytes_used", GaugeMetricFamily, "vllm_artifact_store_bytes", "Bytes of the slots in use"),
+    (
+        "capacity_bytes",
+        GaugeMetricFamily,
+        "vllm_artifact_store_capacity_bytes",
+        "Store size (arena file)",
+    ),
+    (
+        "pinned_objects",
+        GaugeMetricFamily,
+        "vllm_artifact_store_pinned_objects",
+        "Objects pinned because the KV cache still holds their block",
+    ),
+    ("evictions", CounterMetricFamily, "vllm_artifact_store_evictions", "Objects evicted"),
+    (
+        "published_objects",
+        CounterMetricFamily,
+        "vllm_artifact_published_objects",
+        "Objects published",
+    ),
+    (
+        "read_objects",
+        CounterMetricFamily,
+        "vllm_artifact_read_objects",
+        "Objects read for prefix-cache hits",
+    ),
+    (
+        "publish_seconds",
+        HistogramMetricFamily,
+        "vllm_artifact_publish_seconds",
+        "Time to publish one batch of objects (background thread)",
+    ),
+    (
+        "read_seconds",
+        HistogramMetricFamily,
+        "vllm_artifact_read_seconds",
+        "Time to read one request's prefix-hit objects (checksums verified)",
+    ),
+)
 
 
 def _le(bound: float) -> str:

@@ -30,7 +30,6 @@ def test_counters_follow_puts_reads_and_pins(
         out = layout.empty(6 * bs)
         store.read_into(keys, out)
         store.unpin(keys[:1])
-        store._count_occupancy(force=True)  # gauges are refreshed at most every 0.2 s
         seen = StoreMetrics.read(store_dir)
     assert seen is not None
     assert (seen.objects, seen.pinned_objects, seen.evictions) == (6, 3, 0)

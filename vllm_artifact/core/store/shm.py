@@ -381,7 +381,7 @@ class ShmStore(ObjectStore):
 
     def _count_occupancy(self) -> None:
         """Refresh the writer's exported occupancy gauges (after puts and pin changes; two
-        counts over the slot table, tens of microseconds for 200k slots)."""
+        counts over the slot table: ~60 us for 214k slots, on the publishing thread)."""
         if self._metrics is None or self._slots is None:
             return
         stats = self.stats()

@@ -537,3 +537,20 @@ def test_unrelated_vllm_errors_pass_through(tiny_model: str, shm_dir: Path) -> N
     with pytest.raises(ValueError) as info:
         build(tiny_model, shm_dir, max_model_len=10**9)
     assert not isinstance(info.value, ArtifactConfigError)
+
+
+def test_cpu_kv_offloading_accepted_and_counted_in_auto_capacity(
+    tiny_model: str, shm_dir: Path
+) -> None:
+    """``--kv-offloading-size`` passes our startup checks (the CPU backend cannot run it:
+    docs/compatibility.md), and ``auto`` capacity counts the blocks the offload can hold."""
+    from vllm_artifact.integration.worker_connector import offloaded_kv_blocks
+
+    vllm_config = build(tiny_model, shm_dir, kv_offloading_size=0.5)
+    transfer = vllm_config.kv_transfer_config
+    assert transfer.kv_role == "kv_both"
+    assert transfer.kv_connector_extra_config["cpu_bytes_to_use"] == 0.5 * (1 << 30)
+    # 64 blocks of 4 MiB in the KV cache: a 0.5 GiB offload holds 128 more.
+    kv_cache = SimpleNamespace(num_blocks=64, kv_cache_tensors=[SimpleNamespace(size=64 << 22)])
+    assert offloaded_kv_blocks(vllm_config, kv_cache) == 128
+    assert offloaded_kv_blocks(build(tiny_model, shm_dir), kv_cache) == 0

@@ -43,6 +43,22 @@ logger = logging.getLogger("vllm.artifact.worker")
 AUTO_CAPACITY_FACTOR = 2
 
 
+def offloaded_kv_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
+    """KV blocks a KV offload connector can hold besides the engine's KV cache (vLLM 0.32's
+    ``--kv-offloading-size`` becomes ``cpu_bytes_to_use`` of the offloading connector), so
+    ``auto`` capacity covers every block a prefix hit can be served from."""
+    transfer = vllm_config.kv_transfer_config
+    offload_bytes = (
+        (transfer.kv_connector_extra_config or {}).get("cpu_bytes_to_use") if transfer else None
+    )
+    kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+    if not offload_bytes or not kv_bytes or not kv_cache_config.num_blocks:
+        return 0
+    # Bytes of one block on this rank; if the offload size is for all ranks this overcounts,
+    # which only makes the store larger.
+    return int(float(offload_bytes) * kv_cache_config.num_blocks // kv_bytes)
+
+
 @dataclass
 class PendingArtifactStep:
     """One step's capture snapshot until MRV2's output thread consumes it."""
@@ -105,7 +121,9 @@ class ArtifactWorkerConnector:
             moe_layers=moe_layer_ids(model),
         )
         self._model_id = model_identity(vllm_config)
-        kv_hash_blocks = kv_cache_config.num_blocks * (scheduler_block_size // hash_block_size)
+        # Blocks a prefix hit can come from: the engine's KV cache and a KV offload's CPU tier.
+        kv_blocks = kv_cache_config.num_blocks + offloaded_kv_blocks(vllm_config, kv_cache_config)
+        kv_hash_blocks = kv_blocks * (scheduler_block_size // hash_block_size)
         capacity = self._capacity(config, kv_hash_blocks)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         # A restarted engine reuses or replaces its own arena: its bytes count as free.
@@ -126,7 +144,7 @@ class ArtifactWorkerConnector:
         )
         logger.info(
             "vllm-artifact: R3 store root=%s name=%s capacity=%.1f MiB ttl=%.0f s "
-            "(KV holds %d blocks of %d tokens) namespace: %s",
+            "(KV, offloaded KV included, holds %d blocks of %d tokens) namespace: %s",
             config.root,
             self._store.name,
             capacity / 2**20,

@@ -15,8 +15,9 @@ below is unit-tested without an engine:
 
 A step arrives column-wise (:class:`StepBatch`, what the model runner has anyway). Requests in
 steady decode (one new row, nothing pending, cursors in step) take a vectorized path: one
-buffer write for all of them and one output object each, so the per-step cost of a big decode
-batch stays far below a GPU step; every other entry takes the general per-request path.
+buffer write for all of them and their rows kept column-wise in the :class:`StepResult`, so the
+per-step cost of a big decode batch stays far below a GPU step; every other entry takes the
+general per-request path.
 """
 
 from __future__ import annotations

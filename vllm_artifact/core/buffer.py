@@ -113,10 +113,6 @@ class RequestRowBuffer:
         """Token index one past the last buffered row (-1 before the first append)."""
         return int(self._end[self._get(request_id)])
 
-    def ends(self, slots: np.ndarray) -> np.ndarray:
-        """:meth:`end` of many slots at once."""
-        return self._end[slots]
-
     # ---------------------------------------------------------------- mutation
 
     def append(self, request_id: str, token_start: int, rows: np.ndarray) -> FullBlocks:

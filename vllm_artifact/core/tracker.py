@@ -157,12 +157,6 @@ class StepResult:
             raise KeyError(request_id)
         return entry
 
-    def __contains__(self, request_id: object) -> bool:
-        return isinstance(request_id, str) and self.get(request_id) is not None
-
-    def __len__(self) -> int:
-        return len(self.entries) + len(self.decode_ids)
-
     def failures(self) -> dict[str, R3Failure]:
         """The requests that failed this step."""
         return {rid: e for rid, e in self.entries.items() if isinstance(e, R3Failure)}
@@ -369,7 +363,7 @@ class RequestTracker:
             if track.finished and track.in_flight == 0:
                 self._teardown(request_id)
             else:
-                self._enter_fast(track)
+                self._enter_fast(request_id, track)
         return result
 
     def _decode_fast(
@@ -404,7 +398,7 @@ class RequestTracker:
             ready += self._keyed_blocks(track)
         return ready
 
-    def _enter_fast(self, track: _Track) -> None:
+    def _enter_fast(self, request_id: str, track: _Track) -> None:
         """Let the request's next steps take the steady-decode path if its state allows."""
         end = track.capture_end
         if (
@@ -415,7 +409,7 @@ class RequestTracker:
             and track.pending_count == 0
             and track.emit_cursor == end
             and track.scheduled_end == end
-            and int(self._buffer.ends(np.array([track.slot]))[0]) == end
+            and self._buffer.end(request_id) == end
         ):
             self._ready_at[track.slot] = end
 

@@ -69,6 +69,10 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             "_finished_requests, _generation); vllm-artifact's scheduler connector was written "
             "for vLLM 0.32 and must be updated"
         )
+        assert callable(getattr(self, "_pack_new_hashes", None)), (
+            "vLLM's AuxOutputSchedulerConnector._pack_new_hashes is gone; update vllm-artifact's "
+            "scheduler connector"
+        )
         self.weight_version = _DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
@@ -150,7 +154,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                 num_sent = sent[request_id] = 0
                 new_requests[request_id] = _emit_start(request)
             if len(block_hashes) != num_sent:
-                hashes[request_id] = _pack(block_hashes, num_sent)
+                hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
         # A request not scheduled this step (async scheduling) may still have new hashes.
         if len(sent) != len(scheduled):
@@ -159,11 +163,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                     continue
                 block_hashes = requests[request_id].block_hashes
                 if len(block_hashes) != num_sent:
-                    hashes[request_id] = _pack(block_hashes, num_sent)
+                    hashes[request_id] = self._pack(block_hashes, num_sent)
                     sent[request_id] = len(block_hashes)
         finished, self._finished_requests = self._finished_requests, {}
         hashes.update((rid, packed) for rid, packed in finished.items() if packed is not None)
         return AuxOutputConnectorMetadata(self._generation, new_requests, hashes, tuple(finished))
+
+    def _pack(self, block_hashes: Any, num_sent: int) -> PackedBlockHashes:
+        """The hashes after the first ``num_sent`` (there are some), packed by vLLM."""
+        packed = self._pack_new_hashes(block_hashes, num_sent)
+        assert packed is not None
+        return packed
 
     def take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:  # type: ignore[override]
         """This step's rows of ``request`` up to its last executed token; None when there
@@ -199,12 +209,6 @@ def _emit_start(request: Any) -> int:
         request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens
     )
     return max(prompt_start, 0 if request.num_output_tokens == 0 else request.num_tokens - 1)
-
-
-def _pack(block_hashes: Any, num_sent: int) -> PackedBlockHashes:
-    assert num_sent <= len(block_hashes), "KV block-hash history shrank"
-    new = block_hashes[num_sent:]
-    return PackedBlockHashes(b"".join(new), len(new[0]))
 
 
 def failures_in(output: StepResult | None) -> dict[str, RequestFailure]:

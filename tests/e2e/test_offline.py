@@ -12,9 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 from vllm import SamplingParams
-from vllm_artifact_testing.engine_probe import assert_matches_oracle
+from vllm.exceptions import VLLMValidationError
+from vllm_artifact_testing.engine_probe import assert_matches_oracle, executed_tokens
+from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 
-from vllm_artifact.client import decode_r3
+from vllm_artifact.client import R3Keys, decode_r3, read_r3_keys
 
 pytestmark = pytest.mark.engine
 
@@ -118,3 +120,59 @@ def test_n_logprobs_and_penalties_with_r3(llm_a: Any, model_a: Path) -> None:
         assert completion.logprobs is not None
         assert len(completion.logprobs) == len(completion.token_ids) == 12
         assert_matches_oracle(model_a, output, index)
+
+
+KEYS = {"routed_experts_format": "keys"}
+
+
+def test_keys_only_handoff_reads_back_the_array_paths_rows(llm_a: Any, model_a: Path) -> None:
+    """``routed_experts_format="keys"``: each completion carries an ``R3Keys`` handle instead of
+    rows; reading it from the store gives exactly the array path's (oracle-equal) rows, for a
+    chunked prefill with a prefix hit, a batch, n > 1, a stop string and a prompt start."""
+    prompts = [LONG_PROMPT, *SHORT_PROMPTS]
+    arrays = llm_a.generate(prompts, GREEDY)
+    keyed = llm_a.generate(prompts, SamplingParams(**_greedy_args(), extra_args=KEYS))
+    assert keyed[0].num_cached_tokens >= 32  # the long prompt's prefix came from the KV cache
+    for by_array, by_keys in zip(arrays, keyed, strict=True):
+        handle = by_keys.outputs[0].routed_experts
+        assert isinstance(handle, R3Keys), handle
+        assert list(by_keys.outputs[0].token_ids) == list(by_array.outputs[0].token_ids)
+        read = read_r3_keys(handle)
+        np.testing.assert_array_equal(read.experts, by_array.outputs[0].routed_experts)
+        assert read.dense_layers == decode_r3(by_array.outputs[0]).dense_layers
+
+    sampled = SamplingParams(n=2, max_tokens=9, temperature=0.9, seed=3, extra_args=KEYS)
+    output = llm_a.generate([SHORT_PROMPTS[1]], sampled)[0]
+    for index, completion in enumerate(output.outputs):
+        read = read_r3_keys(completion.routed_experts).experts
+        assert_routing_matches(read, hf_router_topk(model_a, executed_tokens(output, index)))
+
+    # A stop token (the engine stops on it, unlike stop strings) ends a request mid-block.
+    prompt = "Stop tokens end a request inside a block:"
+    unbounded = llm_a.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop_id = unbounded.outputs[0].token_ids[9]
+    params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id], extra_args=KEYS)
+    stopped = llm_a.generate([prompt], params)[0]
+    assert stopped.outputs[0].finish_reason == "stop"
+    read = read_r3_keys(stopped.outputs[0].routed_experts).experts
+    assert read.shape[0] == len(executed_tokens(stopped))
+    np.testing.assert_array_equal(read, unbounded.outputs[0].routed_experts[: read.shape[0]])
+
+    start = SamplingParams(**_greedy_args(), routed_experts_prompt_start=20, extra_args=KEYS)
+    late = llm_a.generate([LONG_PROMPT], start)[0]
+    read = read_r3_keys(late.outputs[0].routed_experts).experts
+    np.testing.assert_array_equal(read, arrays[0].outputs[0].routed_experts[20:])
+
+
+def _greedy_args() -> dict[str, Any]:
+    return {"max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def test_bad_format_option_is_a_clear_error(llm_a: Any) -> None:
+    bad = SamplingParams(max_tokens=2, extra_args={"routed_experts_format": "npz"})
+    with pytest.raises(VLLMValidationError, match="routed_experts_format must be one of"):
+        llm_a.generate(["x"], bad)
+    stop = SamplingParams(max_tokens=2, stop=["."], extra_args=KEYS)
+    with pytest.raises(VLLMValidationError, match="cannot be combined with stop strings"):
+        llm_a.generate(["x"], stop)
+    assert llm_a.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

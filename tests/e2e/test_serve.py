@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib.util
+import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,6 +146,93 @@ def test_token_in_token_out_generate(server_a: RunningServer, model_a: Path) -> 
     choice = post(server_a, "/inference/v1/generate", body)["choices"][0]
     experts = check_choice(model_a, prompt_ids, choice)
     assert experts.shape == (len(prompt_ids) + 7 - 1, 4, 2)
+
+
+KEYS_XARGS = {"vllm_xargs": {"routed_experts_format": "keys"}}
+READ_HANDLES = """
+import json, sys
+import numpy as np
+from vllm_artifact.client import read_r3_keys
+handles = json.load(sys.stdin)
+arrays = {str(i): read_r3_keys(handle).experts for i, handle in enumerate(handles)}
+np.savez(sys.argv[1], **arrays)
+assert "vllm" not in sys.modules and "torch" not in sys.modules
+"""
+
+
+def test_keys_only_handoff_read_by_another_process(
+    server_a: RunningServer, model_a: Path, tmp_path: Path
+) -> None:
+    """``vllm_xargs.routed_experts_format = "keys"`` on completions (a batch, one prompt
+    served from the KV cache), chat and token-in/token-out: ``routed_experts`` is a JSON handle;
+    a separate process (no vLLM, no torch) reads every handle from the server's store, and the
+    rows equal the oracle and the array path's."""
+    prompt = " ".join(f"Keys handoff sentence {i} for the trainer." for i in range(12))
+    post(server_a, "/v1/completions", greedy_body(model_a, 6, prompt=prompt))  # cache it
+    hit = post(server_a, "/v1/completions", greedy_body(model_a, 6, prompt=prompt, **KEYS_XARGS))
+    cached = (hit["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached and cached >= 32, hit["usage"]
+    batch = greedy_body(model_a, 6, prompt=["Keys, not arrays.", "A second prompt."], **KEYS_XARGS)
+    completions = post(server_a, "/v1/completions", batch)
+    messages = [{"role": "user", "content": "Keys please."}]
+    chat = post(
+        server_a, "/v1/chat/completions", greedy_body(model_a, 5, messages=messages, **KEYS_XARGS)
+    )
+    prompt_ids = [5, 17, 42, 99, 100, 101, 7, 8, 9, 250, 300, 12]
+    tito = post(
+        server_a,
+        "/inference/v1/generate",
+        {
+            "model": str(model_a),
+            "token_ids": prompt_ids,
+            "sampling_params": {
+                "max_tokens": 7,
+                "temperature": 0,
+                "ignore_eos": True,
+                "extra_args": {"routed_experts_format": "keys"},
+            },
+        },
+    )
+    cases = [(c["prompt_token_ids"], c) for c in (*hit["choices"], *completions["choices"])]
+    cases += [(chat["prompt_token_ids"], chat["choices"][0]), (prompt_ids, tito["choices"][0])]
+    handles = [json.loads(choice["routed_experts"]) for _, choice in cases]
+    assert all(h["format"] == "vllm-artifact/r3-keys/v1" for h in handles)
+    out = tmp_path / "r3.npz"
+    reader = subprocess.run(
+        [sys.executable, "-c", READ_HANDLES, str(out)],
+        input=json.dumps(handles),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reader.returncode == 0, reader.stderr
+    read = np.load(out)
+    for i, (prompt_ids_i, choice) in enumerate(cases):
+        experts = read[str(i)]
+        executed = prompt_ids_i + choice["token_ids"][:-1]
+        assert experts.shape[0] == len(executed)
+        assert_routing_matches(experts, hf_router_topk(model_a, executed))
+    array_path = post(server_a, "/v1/completions", greedy_body(model_a, 6, prompt=prompt))
+    np.testing.assert_array_equal(read["0"], decode_r3(array_path["choices"][0]).experts)
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"vllm_xargs": {"routed_experts_format": "npz"}}, "must be one of 'array', 'keys'"),
+        ({"vllm_xargs": {"routed_experts_format": 3}}, "must be one of 'array', 'keys'"),
+        ({**KEYS_XARGS, "stream": True}, '"stream": false'),
+        ({**KEYS_XARGS, "stop": ["."]}, "cannot be combined with stop strings"),
+    ],
+)
+def test_bad_r3_request_options_are_400(
+    server_a: RunningServer, model_a: Path, fields: dict[str, Any], says: str
+) -> None:
+    body = greedy_body(model_a, 3, prompt="Options are checked first.", **fields)
+    reply = requests.post(server_a.base_url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 400, reply.text
+    assert says in reply.json()["error"]["message"]
+    assert post(server_a, "/v1/completions", greedy_body(model_a, 2, prompt="Still up."))
 
 
 def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a: Path) -> None:

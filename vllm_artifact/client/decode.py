@@ -87,10 +87,17 @@ def decode_r3(source: Any) -> RoutedExperts:
     * a base64 ``.npy`` payload (``str`` / ``bytes``);
     * an HTTP response choice: raw JSON (``dict``) or the ``openai`` client's choice object
       (``response.choices[i]``; ``routed_experts`` is an extra field there);
-    * an offline ``CompletionOutput`` (``outputs[i].outputs[j]``) or its numpy array.
+    * an offline ``CompletionOutput`` (``outputs[i].outputs[j]``) or its numpy array;
+    * a keys-only handle (``routed_experts_format="keys"``: an ``R3Keys`` offline, its JSON
+      text over HTTP), read from the engine's store on this node
+      (:func:`vllm_artifact.client.read_r3_keys`, waiting up to its default timeout).
     """
     if isinstance(source, np.ndarray):
         experts = source
+    elif _is_keys_handle(source):
+        from vllm_artifact.client.reader import read_r3_keys
+
+        return read_r3_keys(source)
     elif isinstance(source, str | bytes):
         experts = decode_routed_experts(source)
     else:
@@ -108,3 +115,11 @@ def decode_r3(source: Any) -> RoutedExperts:
             )
         return decode_r3(field)
     return RoutedExperts(experts, dense_layers(experts))
+
+
+def _is_keys_handle(source: object) -> bool:
+    from vllm_artifact.core.handoff import R3Keys
+
+    if isinstance(source, R3Keys):
+        return True
+    return isinstance(source, str | bytes) and source[:1] in ("{", b"{")

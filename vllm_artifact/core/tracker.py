@@ -31,6 +31,7 @@ import numpy as np
 
 from vllm_artifact.core.buffer import RequestRowBuffer
 from vllm_artifact.core.failure import R3Failure
+from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.schema import R3Layout
@@ -118,6 +119,9 @@ class StepResult:
     decode_ids: list[str] = field(default_factory=list)
     decode_token_starts: list[int] = field(default_factory=list)
     decode_rows: np.ndarray | None = None  # [len(decode_ids), layers, top_k]
+    #: Where rank zero's store is and what its keys are made of; sent with the first step
+    #: (the scheduler builds keys-only handles from it).
+    keys_context: KeysContext | None = None
     # request id -> (token_start, rows), built on first lookup (one C-level pass)
     _rows_by_id: dict[str, tuple[int, np.ndarray]] | None = field(
         default=None, repr=False, compare=False

@@ -23,7 +23,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
-from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector, failures_in
+from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 logger = logging.getLogger("vllm.artifact.scheduler")
 
@@ -74,7 +74,11 @@ class _ArtifactSchedulerMixin:
         manager.take_events = take_events_and_observe
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        failures = failures_in(getattr(model_runner_output, "aux_output_connector_output", None))
+        failures = {}
+        if self.aux_output_connector is not None:
+            failures = self.aux_output_connector.observe_step(
+                getattr(model_runner_output, "aux_output_connector_output", None)
+            )
         failed = []
         if failures:
             failed = self.finish_requests(  # type: ignore[attr-defined]

@@ -10,6 +10,9 @@ request's executed tokens) and adds what the Artifact Connector needs:
   (same hash function, parent and extra keys), so the worker can publish it as an object;
 * KV cache evictions (vLLM's KV cache events) are forwarded, so the worker unpins exactly the
   objects no KV block can hit any more;
+* a request that asks for ``routed_experts_format="keys"`` gets, instead of its rows, an
+  :class:`~vllm_artifact.core.handoff.R3Keys` handle on its terminal output (the keys of its
+  blocks in rank zero's store); its rows are never shipped to the frontend;
 * a worker-reported :class:`RequestFailure` is recorded instead of tripping vLLM's assertion
   (which would kill the engine); the scheduler then finishes that request with an error.
 
@@ -38,6 +41,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.request import RequestStatus
 
+from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
+from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.tracker import StepResult, eviction_id
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
@@ -81,6 +86,10 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._kv_cleared = False
         self._step_output: StepResult | None = None  # the step output take_output last saw
         self._step_rows: dict[str, tuple[int, np.ndarray]] = {}
+        # Keys-only handoff: the requests that asked for it, and rank zero's store and key
+        # context (arrives with the worker's first step output).
+        self._keys_requests: set[str] = set()
+        self._keys_context: KeysContext | None = None
 
     def observe_kv_events(self, events: list[Any] | None) -> None:
         """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
@@ -96,10 +105,12 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         if (
             request.status in _PUBLISH_TAIL_STATUSES
             and request.request_id in self._sent_hash_counts
+            and request.request_id not in self._tails  # a keys handle computed it already
         ):
             tail = self._tail_hash(request)
             if tail is not None:
                 self._tails[request.request_id] = tail
+        self._keys_requests.discard(request.request_id)
         super().request_finished(request)
 
     def _tail_hash(self, request: Any) -> tuple[bytes, int] | None:
@@ -153,6 +164,9 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             if num_sent is None:
                 num_sent = sent[request_id] = 0
                 new_requests[request_id] = _emit_start(request)
+                extra_args = request.sampling_params.extra_args
+                if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
+                    self._keys_requests.add(request_id)
             if len(block_hashes) != num_sent:
                 hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
@@ -175,6 +189,15 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         assert packed is not None
         return packed
 
+    def observe_step(self, output: StepResult | None) -> dict[str, RequestFailure]:
+        """Every worker step output passes here first (also steps that sample nothing, whose
+        rows vLLM never takes): keep rank zero's key context; return the failed requests."""
+        if not isinstance(output, StepResult):
+            return {}
+        if output.keys_context is not None:
+            self._keys_context = output.keys_context
+        return output.failures()
+
     def take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:  # type: ignore[override]
         """This step's rows of ``request`` up to its last executed token; None when there
         are none (or it failed). vLLM calls this once per request with the same step output,
@@ -182,6 +205,12 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         if output is not self._step_output:
             self._step_output = output
             self._step_rows = {} if output is None else output.rows_by_id()
+        rows = self._rows(request)
+        if self._keys_requests and request.request_id in self._keys_requests:
+            return self._keys_output(request) if request.is_finished() else None
+        return rows
+
+    def _rows(self, request: Any) -> np.ndarray | None:
         entry = self._step_rows.get(request.request_id)
         if entry is None:
             return None
@@ -201,6 +230,42 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         )
         return rows[:local_end]
 
+    def _keys_output(self, request: Any) -> np.ndarray | None:
+        """The terminal output of a keys-only request: its :class:`R3Keys` handle in vLLM's
+        routed-experts transport (see ``R3Keys.to_transport``).
+
+        Keys are made exactly as rank zero makes them (same namespace: model, layout, the
+        weight version this connector sends with every step), from the request's KV block
+        hashes and the tail hash that :meth:`request_finished` sends to the worker.
+        """
+        context, bs = self._keys_context, self._hash_block_size
+        if context is None or bs is None or request.status not in _PUBLISH_TAIL_STATUSES:
+            return None  # never ran a step on rank zero, or did not finish normally
+        executed = request.num_tokens - 1
+        first_row = min(request.sampling_params.routed_experts_prompt_start, executed)
+        first_block, full = first_row // bs, executed // bs
+        namespace = context.namespace(self.weight_version)
+        keys = full_block_keys(namespace, request.block_hashes[first_block:full])
+        last_block_tokens = bs
+        if executed > full * bs:
+            tail = self._tail_hash(request)
+            if tail is None:
+                return None
+            self._tails[request.request_id] = tail  # request_finished sends it to the worker
+            keys.append(tail_block_key(namespace, *tail))
+            last_block_tokens = tail[1]
+        handle = R3Keys.of(
+            store=context.store,
+            layout=context.layout.canonical(),
+            block_size=bs,
+            token_start=first_block * bs,
+            first_row=first_row,
+            num_rows=executed - first_row,
+            keys=keys,
+            last_block_tokens=last_block_tokens,
+        )
+        return handle.to_transport()
+
 
 def _emit_start(request: Any) -> int:
     """First token whose row the request returns (vLLM's rule: the prompt start the sampling
@@ -209,8 +274,3 @@ def _emit_start(request: Any) -> int:
         request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens
     )
     return max(prompt_start, 0 if request.num_output_tokens == 0 else request.num_tokens - 1)
-
-
-def failures_in(output: StepResult | None) -> dict[str, RequestFailure]:
-    """The failed requests of one step's worker output."""
-    return output.failures() if isinstance(output, StepResult) else {}

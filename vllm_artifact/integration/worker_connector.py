@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_artifact.core.handoff import KeysContext, StoreAddress
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore, check_shm_space
@@ -105,6 +106,7 @@ class ArtifactWorkerConnector:
         self._store: ShmStore | None = None
         self._publisher: BackgroundPublisher | None = None
         self._tracker: RequestTracker | None = None
+        self._keys_context: KeysContext | None = None  # sent to the scheduler once
         if not get_tp_group().is_first_rank:
             return
 
@@ -141,6 +143,11 @@ class ArtifactWorkerConnector:
                 self._layout.block_nbytes * 4 * scheduler_config.max_num_seqs,
                 scheduler_config.max_num_batched_tokens * self._layout.row_nbytes * 4,
             ),
+        )
+        self._keys_context = KeysContext(
+            StoreAddress(root=str(self._store.root), name=self._store.name),
+            self._model_id,
+            self._layout,
         )
         logger.info(
             "vllm-artifact: R3 store root=%s name=%s capacity=%.1f MiB ttl=%.0f s "
@@ -275,7 +282,10 @@ class ArtifactWorkerConnector:
             rows=rows,
         )
         with self._lock:
-            return self._tracker.step_finished(step)
+            result = self._tracker.step_finished(step)
+        if self._keys_context is not None:
+            result.keys_context, self._keys_context = self._keys_context, None
+        return result
 
     def close(self) -> None:
         with self._lock:

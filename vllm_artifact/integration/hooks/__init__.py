@@ -33,6 +33,14 @@ request_errors (``RequestState.make_request_output``, ``GenerateBaseServing._rai
     How: our failures (finish reason ``error``, message in ``stop_reason``) are remembered by
     request id in the frontend and raise ``GenerationError`` (HTTP 500) with our message.
 
+keys_handoff (``InputProcessor._validate_params``, ``RequestState._new_completion_output``,
+    module global ``numpy2base64`` of the completions, chat and token-in/token-out serving
+    modules; vLLM 0.32.0)
+    Why: a request can ask for its R3 as store keys (``routed_experts_format="keys"``).
+    How: the option is validated with vLLM's own parameter checks (HTTP 400); the handle our
+    scheduler connector sends in vLLM's routed-experts transport becomes an ``R3Keys`` on the
+    completion (cut to the tokens the frontend kept) and its JSON text in the response.
+
 early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
     Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general
     plugins, so the keyword would be rejected on the first call in a process.
@@ -60,6 +68,7 @@ def apply_all() -> bool:
     _started = True
     from vllm_artifact.integration.hooks import (
         engine_args,
+        keys_handoff,
         request_errors,
         weight_version,
         worker_factory,
@@ -69,4 +78,5 @@ def apply_all() -> bool:
     worker_factory.install()
     weight_version.install()
     request_errors.install()
+    keys_handoff.install()
     return True

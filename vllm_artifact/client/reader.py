@@ -1,0 +1,123 @@
+"""Read a keys-only R3 handle from the engine's ``/dev/shm`` store (same node, same user).
+
+The engine answers a ``routed_experts_format="keys"`` request as soon as the completion
+finishes; its last blocks reach the store one engine step later (the background publisher
+writes them). :meth:`R3Reader.read` therefore waits, bounded by ``timeout``, for every key
+to appear, then copies the rows with the store's checks: key, envelope and xxh3 checksum of
+every object, seqlock retries against a concurrent writer. A key that stays absent (evicted,
+or never published because the request's R3 failed) raises :class:`ObjectMissingError`, a
+damaged object :class:`ObjectCorruptError`; a reader never returns partial R3.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_artifact.client.decode import RoutedExperts
+from vllm_artifact.core.handoff import R3Keys
+from vllm_artifact.core.store import ShmStore
+from vllm_artifact.errors import ObjectMissingError, SchemaError
+
+__all__ = ["R3Reader", "read_r3_keys"]
+
+#: Default bound on waiting for the engine to publish a finished completion's last blocks.
+DEFAULT_TIMEOUT_S = 10.0
+_POLL_S = 0.002
+_MAX_OPEN_STORES = 8
+
+
+class R3Reader:
+    """Materializes :class:`R3Keys` handles; keeps a few stores open between reads.
+
+    Thread-safe. A store reopened by its engine (a restart replaces the arena) is reopened
+    here on the next miss.
+    """
+
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout = timeout
+        self._stores: OrderedDict[tuple[str, str], ShmStore] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(
+        self, handle: R3Keys | str | bytes | Mapping[str, Any], *, timeout: float | None = None
+    ) -> RoutedExperts:
+        """The completion's R3 (``[num_rows, layers, top_k]`` plus its dense layers) from a
+        handle: an ``R3Keys``, its JSON text (``routed_experts`` of an HTTP choice) or that
+        text parsed."""
+        if not isinstance(handle, R3Keys):
+            handle = R3Keys.from_json(handle)
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        keys, first_token, held = handle.object_keys()
+        store = self._store(handle, fresh=False)
+        if not keys:
+            return RoutedExperts(store.layout.empty(0), store.layout.dense_layers)
+        while not all(store.exists(keys)):
+            if time.monotonic() >= deadline:
+                store = self._store(handle, fresh=True)  # the engine may have restarted
+                break
+            time.sleep(_POLL_S)
+        out = store.layout.empty(held)
+        try:
+            store.read_into(keys, out, token_start=first_token)
+        except ObjectMissingError as err:
+            raise ObjectMissingError(
+                f"{err} The keys handle was not read within {wait:.1f} s of "
+                "the response or its objects were evicted since: read handles promptly, or "
+                "raise --artifact-capacity."
+            ) from None
+        skip = handle.first_row - first_token
+        rows = out[skip : skip + handle.num_rows]
+        return RoutedExperts(rows, store.layout.dense_layers)
+
+    def _store(self, handle: R3Keys, *, fresh: bool) -> ShmStore:
+        address = (handle.store.root, handle.store.name)
+        with self._lock:
+            store = self._stores.pop(address, None)
+            if store is not None and fresh:
+                store.close()
+                store = None
+            if store is None:
+                store = ShmStore.open_reader(*address)
+            self._stores[address] = store
+            while len(self._stores) > _MAX_OPEN_STORES:
+                self._stores.popitem(last=False)[1].close()
+        if store.layout.canonical() != handle.layout:
+            raise SchemaError(
+                f"R3 store {address[0]}/{address[1]} holds layout {store.layout.canonical()!r}, "
+                f"the handle wants {handle.layout!r}"
+            )
+        if store.layout.block_size != handle.block_size:
+            raise SchemaError("the handle's block size differs from its store's")
+        return store
+
+    def close(self) -> None:
+        with self._lock:
+            while self._stores:
+                self._stores.popitem()[1].close()
+
+    def __enter__(self) -> R3Reader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_DEFAULT: R3Reader | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def read_r3_keys(
+    handle: R3Keys | str | bytes | Mapping[str, Any], *, timeout: float | None = None
+) -> RoutedExperts:
+    """Read one handle with a process-wide :class:`R3Reader`."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = R3Reader()
+        reader = _DEFAULT
+    return reader.read(handle, timeout=timeout)

@@ -11,7 +11,11 @@ plus ``pybase64.b64encode``). Timed side by side, round robin, on the same 14.5 
   ``BlockObjectStore`` (``get_concatenated`` + ``np.frombuffer``) + ``numpy2base64``;
 * ``ours``: ``materialize`` from our /dev/shm ``ShmStore`` (checksums verified) +
   ``numpy2base64``;
-* the client: ``vllm_artifact.client.decode_routed_experts`` of the payload string.
+* the client: ``vllm_artifact.client.decode_routed_experts`` of the payload string;
+* the keys-only handoff (``routed_experts_format="keys"``): what the scheduler does at the
+  request's end (keys from the KV block hashes, the ``R3Keys`` JSON) and what a trainer on the
+  node does with it (``R3Reader.read``: parse, look up, copy with checksums verified), next to
+  the array path's server encode + client decode.
 
 Targets (issue 6): ours <= 1.25x vLLM's path and <= 8 ms in total; client decode <= 6 ms.
 
@@ -55,8 +59,9 @@ from vllm.distributed.aux_output_connector.routed_experts import (
 from vllm.distributed.aux_output_connector.store import BlockObjectStore
 from vllm.utils.serial_utils import numpy2base64
 
-from vllm_artifact.client import decode_routed_experts
+from vllm_artifact.client import R3Keys, R3Reader, decode_routed_experts
 from vllm_artifact.core import Namespace, R3Layout, RequestCoverage, full_block_keys, materialize
+from vllm_artifact.core.handoff import StoreAddress
 from vllm_artifact.core.store import ShmStore
 
 TARGET_VS_VLLM = 1.25
@@ -193,7 +198,7 @@ def run_regime(regime: str, tokens: int, bs: int, reps: int) -> dict[str, Any]:
         cov = RequestCoverage.plan(
             num_rows=tokens, block_size=bs, full_block_keys=keys, tail_key=None
         )
-        results = measure(data, layout, vstore, vkeys, store, keys, cov, reps)
+        results = measure(data, layout, vstore, vkeys, store, keys, cov, reps, ns)
     finally:
         store.close()
         vstore.close()
@@ -213,6 +218,7 @@ def measure(
     keys: list[Any],
     cov: RequestCoverage,
     reps: int,
+    ns: Namespace,
 ) -> dict[str, tuple[float, float]]:
     tokens, bs = len(data), layout.block_size
     shape = (58, 8)
@@ -266,6 +272,28 @@ def measure(
     np.save(encoded, data, allow_pickle=False)
     npy_bytes = encoded.getvalue()
 
+    block_hashes = [f"r0/{i}".encode() for i in range(len(keys))]
+    address = StoreAddress(root=str(store.root), name=store.name)
+
+    def k_handle() -> str:
+        """The scheduler's work at a keys-only request's end (its keys were made step by
+        step while it ran: ``k_keys``)."""
+        return R3Keys.of(
+            store=address,
+            layout=layout.canonical(),
+            block_size=bs,
+            token_start=0,
+            first_row=0,
+            num_rows=tokens,
+            keys=keys,
+            last_block_tokens=bs,
+            trusted=True,
+        ).to_json()
+
+    handle_json = k_handle()
+    reader = R3Reader()
+    assert np.array_equal(reader.read(handle_json).experts, data)
+
     rounds = Rounds()
     rounds.add("copy", lambda: data.copy())
     rounds.add("copy_enc", lambda: numpy2base64(data.copy()))
@@ -283,9 +311,13 @@ def measure(
     rounds.add("alt_s", lambda: encode_one_copy(s_mat()))
     rounds.add("alt_s_into", s_into_npy)
     rounds.add("alt_decode", lambda: decode_no_copy(payload))
+    rounds.add("k_handle", k_handle)
+    rounds.add("k_keys", lambda: full_block_keys(ns, block_hashes))
+    rounds.add("k_read", lambda: reader.read(handle_json))
     rounds.run(reps)
+    reader.close()
     r = {name: rounds[name] for name in rounds.times}
-    report(r, tokens, hit, len(payload))
+    report(r, tokens, hit, len(payload), len(handle_json))
     return r
 
 
@@ -299,7 +331,9 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def report(r: dict[str, tuple[float, float]], tokens: int, hit: int, payload_len: int) -> None:
+def report(
+    r: dict[str, tuple[float, float]], tokens: int, hit: int, payload_len: int, handle_len: int
+) -> None:
     v, s = r["v_enc"][0], r["s_enc"][0]
     print(f"\npayload {payload_len / 2**20:.1f} MiB of base64 .npy\n")
     print("components")
@@ -345,6 +379,19 @@ def report(r: dict[str, tuple[float, float]], tokens: int, hit: int, payload_len
             r["decode"][0],
             "decode_routed_experts",
         )
+    )
+    array_path = r["s_enc"][0] + r["decode"][0]
+    keys_path = r["k_handle"][0] + r["k_keys"][0] + r["k_read"][0]
+    print(
+        f"\nkeys-only handoff (a {handle_len / 2**10:.0f} KiB JSON handle instead of the payload)"
+    )
+    print(line("server, at the end: R3Keys JSON", r["k_handle"]))
+    print(line("server, spread over the steps: keys of the blocks", r["k_keys"]))
+    print(line("trainer: R3Reader.read (checksums verified)", r["k_read"]))
+    print(
+        f"  keys path (all three) {keys_path * 1e3:.2f} ms vs array path (ours encode + client "
+        "decode) "
+        f"{array_path * 1e3:.2f} ms: {keys_path / array_path:.2f}x"
     )
     ok_ratio = s <= TARGET_VS_VLLM * v
     ok_total = s <= TARGET_TOTAL_S

@@ -71,6 +71,10 @@ def test_json_round_trip_and_rows_cut(shm_root: str) -> None:
     keys = full_block_keys(NS, [b"a", b"b", b"c"])
     handle = _handle(shm_root, keys, first_row=5, num_rows=40)
     assert R3Keys.from_json(handle.to_json()) == handle
+    fields = handle.model_dump(exclude={"format", "keys"})
+    fields["store"] = handle.store
+    trusted = R3Keys.of(**fields, keys=keys, trusted=True)  # the engine's path
+    assert trusted.to_json() == handle.to_json()
     assert json.loads(handle.to_json())["format"] == "vllm-artifact/r3-keys/v1"
     assert handle.object_keys() == (keys, 0, 3 * BS)  # rows 5..45 lie in blocks 0..2
     assert handle.model_copy(update={"num_rows": 10}).object_keys() == (keys[:1], 0, BS)

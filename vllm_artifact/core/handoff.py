@@ -108,8 +108,11 @@ class R3Keys(BaseModel):
         num_rows: int,
         keys: list[ObjectKey],
         last_block_tokens: int,
+        trusted: bool = False,
     ) -> R3Keys:
-        return cls(
+        """A handle from its parts; ``trusted=True`` (the engine's own, derived values) skips
+        validation, which costs more than the rest for thousands of keys."""
+        return (cls.model_construct if trusted else cls)(
             store=store,
             layout=layout,
             block_size=block_size,

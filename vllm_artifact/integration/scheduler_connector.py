@@ -42,7 +42,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_blo
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
-from vllm_artifact.core.keys import full_block_keys, tail_block_key
+from vllm_artifact.core.keys import ObjectKey, full_block_keys, tail_block_key
 from vllm_artifact.core.tracker import StepResult, eviction_id
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
@@ -88,7 +88,9 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._step_rows: dict[str, tuple[int, np.ndarray]] = {}
         # Keys-only handoff: the requests that asked for it, and rank zero's store and key
         # context (arrives with the worker's first step output).
-        self._keys_requests: set[str] = set()
+        # request id -> keys of its KV blocks so far (made a step at a time, so the request's
+        # end costs a few hashes, not one per block)
+        self._keys_requests: dict[str, list[ObjectKey]] = {}
         self._keys_context: KeysContext | None = None
 
     def observe_kv_events(self, events: list[Any] | None) -> None:
@@ -110,7 +112,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             tail = self._tail_hash(request)
             if tail is not None:
                 self._tails[request.request_id] = tail
-        self._keys_requests.discard(request.request_id)
+        self._keys_requests.pop(request.request_id, None)
         super().request_finished(request)
 
     def _tail_hash(self, request: Any) -> tuple[bytes, int] | None:
@@ -166,7 +168,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                 new_requests[request_id] = _emit_start(request)
                 extra_args = request.sampling_params.extra_args
                 if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
-                    self._keys_requests.add(request_id)
+                    self._keys_requests[request_id] = []
             if len(block_hashes) != num_sent:
                 hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
@@ -206,8 +208,10 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             self._step_output = output
             self._step_rows = {} if output is None else output.rows_by_id()
         rows = self._rows(request)
-        if self._keys_requests and request.request_id in self._keys_requests:
-            return self._keys_output(request) if request.is_finished() else None
+        if self._keys_requests:
+            keys = self._keys_requests.get(request.request_id)
+            if keys is not None:
+                return self._keys_output(request, keys)
         return rows
 
     def _rows(self, request: Any) -> np.ndarray | None:
@@ -230,22 +234,28 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         )
         return rows[:local_end]
 
-    def _keys_output(self, request: Any) -> np.ndarray | None:
-        """The terminal output of a keys-only request: its :class:`R3Keys` handle in vLLM's
-        routed-experts transport (see ``R3Keys.to_transport``).
+    def _keys_output(self, request: Any, keys: list[ObjectKey]) -> np.ndarray | None:
+        """A keys-only request's output: none while it runs (its new blocks' keys are made),
+        at its end its :class:`R3Keys` handle in vLLM's routed-experts transport (see
+        ``R3Keys.to_transport``).
 
         Keys are made exactly as rank zero makes them (same namespace: model, layout, the
         weight version this connector sends with every step), from the request's KV block
         hashes and the tail hash that :meth:`request_finished` sends to the worker.
         """
         context, bs = self._keys_context, self._hash_block_size
-        if context is None or bs is None or request.status not in _PUBLISH_TAIL_STATUSES:
-            return None  # never ran a step on rank zero, or did not finish normally
+        if context is None or bs is None:
+            return None  # no step of rank zero yet (cannot finish normally without one)
+        namespace = context.namespace(self.weight_version)
+        block_hashes = request.block_hashes
+        if len(block_hashes) > len(keys):
+            keys += full_block_keys(namespace, block_hashes[len(keys) :])
+        if not request.is_finished() or request.status not in _PUBLISH_TAIL_STATUSES:
+            return None
         executed = request.num_tokens - 1
         first_row = min(request.sampling_params.routed_experts_prompt_start, executed)
         first_block, full = first_row // bs, executed // bs
-        namespace = context.namespace(self.weight_version)
-        keys = full_block_keys(namespace, request.block_hashes[first_block:full])
+        keys = keys[first_block:full]
         last_block_tokens = bs
         if executed > full * bs:
             tail = self._tail_hash(request)
@@ -263,6 +273,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             num_rows=executed - first_row,
             keys=keys,
             last_block_tokens=last_block_tokens,
+            trusted=True,
         )
         return handle.to_transport()
 

@@ -8,6 +8,9 @@ Against README command 1's server (``scripts/demo.sh --keep-serving`` prints bot
 
 Each completion asks for the token ids it executed (``return_token_ids``, a vLLM extension),
 so the number of R3 rows can be checked: one per executed token, i.e. prompt + generated - 1.
+
+``--keys`` takes the keys path instead (trainer on the server's node, same user): each response
+carries a small handle, and ``decode_r3`` reads the rows from the server's ``/dev/shm`` store.
 """
 
 from __future__ import annotations
@@ -43,13 +46,14 @@ class Rollout:
     r3: RoutedExperts
 
 
-async def rollout(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> Rollout:
+async def rollout(
+    client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, keys: bool
+) -> Rollout:
+    extra: dict[str, object] = {"return_token_ids": True}
+    if keys:  # R3 as store keys: read from /dev/shm below instead of decoded from the response
+        extra["vllm_xargs"] = {"routed_experts_format": "keys"}
     completion = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=1.0,
-        extra_body={"return_token_ids": True},
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=1.0, extra_body=extra
     )
     choice = completion.choices[0]
     usage = completion.usage
@@ -75,10 +79,14 @@ def check(rollouts: list[Rollout]) -> None:
         assert (np.diff(np.sort(moe, axis=-1), axis=-1) > 0).all()
 
 
-async def main_async(base_url: str, model: str, max_tokens: int) -> list[Rollout]:
+async def main_async(
+    base_url: str, model: str, max_tokens: int, keys: bool = False
+) -> list[Rollout]:
     client = AsyncOpenAI(base_url=base_url, api_key="unused")
     try:
-        rollouts = await asyncio.gather(*(rollout(client, model, p, max_tokens) for p in PROMPTS))
+        rollouts = await asyncio.gather(
+            *(rollout(client, model, p, max_tokens, keys) for p in PROMPTS)
+        )
     finally:
         await client.close()
     check(list(rollouts))
@@ -90,8 +98,11 @@ def main() -> int:
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--model", required=True, help="the served model name or path")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--keys", action="store_true", help="read R3 from the server's /dev/shm store (same node)"
+    )
     args = parser.parse_args()
-    rollouts = asyncio.run(main_async(args.base_url, args.model, args.max_tokens))
+    rollouts = asyncio.run(main_async(args.base_url, args.model, args.max_tokens, args.keys))
     r3 = rollouts[0].r3
     print(
         f"{len(rollouts)} rollouts; R3 per token: {r3.experts.shape[1]} layers x top-"

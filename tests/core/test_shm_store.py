@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.envelope import HEADER_NBYTES
-from vllm_artifact.core.store import ObjectStore, ShmStore, check_shm_space
+from vllm_artifact.core.store import ObjectStore, ScrubReport, ShmStore, check_shm_space
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.errors import (
     CapacityError,
@@ -206,11 +206,18 @@ def test_flipped_byte_is_detected(
         }
         reader = ShmStore.open_reader(shm_root, "s")
         np.testing.assert_array_equal(reader.get([keys[1]])[0], rows_for(layout, 1))
+        assert reader.scrub() == ScrubReport(checked=3, corrupt=())
         _flip(shm_root, offsets[where])
         for handle in (store, reader):
             with pytest.raises(error):
                 handle.read_into(keys, layout.empty(48))
             np.testing.assert_array_equal(handle.get([keys[2]])[0], rows_for(layout, 2))
+            # A scrub reads every object back: the damaged one is reported (under the key
+            # its slot now carries) or, if it no longer locates at all, not counted.
+            report = handle.scrub()
+            assert report.checked == 2 and len(report.corrupt) <= 1
+            if where == "payload":
+                assert report.corrupt == (keys[1],)
         reader.close()
         if error is ObjectCorruptError:
             # Republishing the block replaces a corrupt object.

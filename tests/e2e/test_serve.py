@@ -293,9 +293,12 @@ def test_rl_rollout_example_against_the_server(server_a: RunningServer, model_a:
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # its dataclasses look their module up
     spec.loader.exec_module(example)
-    rollouts = asyncio.run(example.main_async(server_a.base_url + "/v1", str(model_a), 8))
-    assert len(rollouts) == len(example.PROMPTS)
-    assert all(item.r3.experts.shape[1:] == (4, 2) for item in rollouts)
+    for keys in (False, True):  # the array path, then the keys path (same node)
+        rollouts = asyncio.run(
+            example.main_async(server_a.base_url + "/v1", str(model_a), 8, keys=keys)
+        )
+        assert len(rollouts) == len(example.PROMPTS)
+        assert all(item.r3.experts.shape[1:] == (4, 2) for item in rollouts)
 
 
 def test_prometheus_metrics_on_vllms_metrics_endpoint(server_a: RunningServer) -> None:

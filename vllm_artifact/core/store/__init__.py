@@ -1,7 +1,7 @@
 """Object stores: the backend-neutral contract and the /dev/shm backend."""
 
 from vllm_artifact.core.store.contract import ObjectStore, PutItem, StoreStats
-from vllm_artifact.core.store.shm import RecoveryReport, ShmStore
+from vllm_artifact.core.store.shm import RecoveryReport, ScrubReport, ShmStore
 from vllm_artifact.core.store.shm_gc import collect_expired_stores
 from vllm_artifact.core.store.shm_root import (
     check_root,
@@ -14,6 +14,7 @@ __all__ = [
     "ObjectStore",
     "PutItem",
     "RecoveryReport",
+    "ScrubReport",
     "ShmStore",
     "StoreStats",
     "check_root",

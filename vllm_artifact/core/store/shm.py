@@ -76,7 +76,7 @@ from vllm_artifact.errors import (
     WriterConflictError,
 )
 
-__all__ = ["RecoveryReport", "ShmStore"]
+__all__ = ["RecoveryReport", "ScrubReport", "ShmStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,14 @@ class RecoveryReport:
     objects: int
     dropped_partial: int
     dropped_invalid: int
+
+
+@dataclass(frozen=True)
+class ScrubReport:
+    """Objects that read back intact, and keys of those that failed their checks."""
+
+    checked: int
+    corrupt: tuple[ObjectKey, ...]
 
 
 @dataclass
@@ -569,6 +577,28 @@ class ShmStore(ObjectStore):
         dest = _FreshDest(self._layout)
         self._read(keys, dest)
         return dest.arrays()
+
+    def scrub(self) -> ScrubReport:
+        """Read back every published object with the full read checks (an ``fsck``: after a
+        crash, or on suspicion of damage). Works on a reader or the writer; objects replaced
+        while it runs are skipped."""
+        arena = self._live()
+        words = arena.words
+        seq = words[:, HeaderWords.SEQ]
+        published = np.flatnonzero(
+            (seq & np.uint64(1) == 0) & (seq > 0) & (words[:, 1:3] != 0).any(axis=1)
+        )
+        keys = [ObjectKey(bytes(key)) for key in words[published, 1:3].astype("<u8")]
+        checked, corrupt = 0, []
+        for key in keys:
+            try:
+                self.get([key])
+                checked += 1
+            except ObjectCorruptError:
+                corrupt.append(key)
+            except ObjectMissingError:
+                pass  # evicted or replaced since the scan
+        return ScrubReport(checked=checked, corrupt=tuple(corrupt))
 
     # ----------------------------------------------------------------- writing
 

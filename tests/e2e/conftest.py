@@ -5,6 +5,7 @@ Engines are expensive (~25-40 s to start on 2 CPU cores), so each is shared by a
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import shutil
@@ -78,5 +79,6 @@ def llm_factory() -> Iterator[Any]:
         return llm
 
     yield make
-    for llm in started:
-        shutdown_llm(llm)
+    # In parallel: each shutdown waits seconds for its processes to exit.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
+        list(pool.map(shutdown_llm, started))

@@ -7,7 +7,6 @@ pass of the same weights.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +98,3 @@ def test_weight_version_change_never_reuses_old_objects(llm: Any, model_a: Path)
         assert_matches_oracle(model_a, fresh)
     finally:
         llm.llm_engine.set_weight_version("default")
-
-
-def test_second_engine_on_the_same_root_recovers_the_objects(
-    model_a: Path, store_root: Path, llm: Any, llm_factory: Any, shutdown_engine: Any
-) -> None:
-    objects = connector_stats(llm)["objects"]
-    assert objects > 0
-    shutdown_engine(llm)
-    assert os.path.isdir(store_root)
-    second = llm_factory(model_a, artifact_root=str(store_root), max_num_seqs=4)
-    assert connector_stats(second)["objects"] == objects

@@ -9,21 +9,31 @@
 * Asynchronous scheduling (kept on by the CPU test switch) with prefix hits from the store.
 * N-gram speculative decoding (MRV2's n-gram speculator; on CPU its drafts come from the CPU
   support package's PyTorch proposer): rows of rejected drafts never reach the output.
+* The async and n-gram engines share one store root (two live engines, two stores): both
+  generate at once while a separate process reads every object of both stores.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
 
+from vllm_artifact.client import read_r3_keys
+
 pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+KEYS = {"routed_experts_format": "keys"}
 PROMPT = " ".join(f"Matrix sentence {i} picks expert {i * 3 % 8}." for i in range(24))
 
 
@@ -108,13 +118,23 @@ def test_preemption_recompute_matches_oracle(
         check(model_a, output)
 
 
-def test_async_scheduling_with_prefix_caching(
-    model_a: Path, store_root: Path, llm_factory: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(scope="module")
+def shared_root(store_root: Path) -> Path:
+    """One root for two live engines of the same model (each gets its own store)."""
+    return store_root / "shared"
+
+
+@pytest.fixture(scope="module")
+def async_llm(model_a: Path, shared_root: Path, llm_factory: Any) -> Any:
     """vLLM's CPU platform turns async scheduling off; the CPU test switch keeps it on, so
     ArtifactAsyncScheduler runs with steps planned ahead of the previous step's output."""
-    monkeypatch.setenv("ARTIFACT_CPU_ASYNC_SCHEDULING", "1")
-    llm = llm_factory(model_a, artifact_root=str(store_root / "async"), async_scheduling=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ARTIFACT_CPU_ASYNC_SCHEDULING", "1")  # read when the engine starts
+        return llm_factory(model_a, artifact_root=str(shared_root), async_scheduling=True)
+
+
+def test_async_scheduling_with_prefix_caching(async_llm: Any, model_a: Path) -> None:
+    llm = async_llm
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
     assert scheduler_config.async_scheduling
     assert str(scheduler_config.scheduler_cls).endswith("ArtifactAsyncScheduler")
@@ -139,15 +159,11 @@ def spec_decode_counters(llm: Any) -> dict[str, float]:
     }
 
 
-def test_ngram_speculative_decoding_matches_oracle(
-    model_a: Path, store_root: Path, llm_factory: Any
-) -> None:
-    """Each step verifies 3 n-gram drafts per request; R3 holds exactly the executed tokens
-    (accepted drafts kept, rejected drafts' rows cut), also when the prefix comes from the
-    store."""
-    llm = llm_factory(
+@pytest.fixture(scope="module")
+def ngram_llm(model_a: Path, shared_root: Path, llm_factory: Any) -> Any:
+    return llm_factory(
         model_a,
-        artifact_root=str(store_root / "ngram"),
+        artifact_root=str(shared_root),
         speculative_config={
             "method": "ngram",
             "num_speculative_tokens": 3,
@@ -156,6 +172,13 @@ def test_ngram_speculative_decoding_matches_oracle(
         },
         disable_log_stats=False,
     )
+
+
+def test_ngram_speculative_decoding_matches_oracle(ngram_llm: Any, model_a: Path) -> None:
+    """Each step verifies 3 n-gram drafts per request; R3 holds exactly the executed tokens
+    (accepted drafts kept, rejected drafts' rows cut), also when the prefix comes from the
+    store, and on the keys path."""
+    llm = ngram_llm
     assert llm.llm_engine.vllm_config.speculative_config.method == "ngram"
 
     def proposer(worker: Any) -> tuple[str, bool]:
@@ -186,3 +209,57 @@ def test_ngram_speculative_decoding_matches_oracle(
         check(model_a, output)
         assert output.outputs[0].token_ids == earlier.outputs[0].token_ids
         assert (output.outputs[0].routed_experts == earlier.outputs[0].routed_experts).all()
+    keys = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, extra_args=KEYS)
+    for output, earlier in zip(llm.generate(prompts, keys), first, strict=True):
+        read = read_r3_keys(output.outputs[0].routed_experts).experts
+        np.testing.assert_array_equal(read, earlier.outputs[0].routed_experts)
+
+
+READER_PROCESS = """
+import json, sys
+from pathlib import Path
+from vllm_artifact_testing.chaos import check_root
+root, stop = Path(sys.argv[1]), Path(sys.argv[2])
+scrubs = checked = corrupt = 0
+stores = set()
+while not stop.exists() or scrubs < 2:
+    check = check_root(root)
+    stores.update(check.stores)
+    scrubs += 1
+    checked += check.objects
+    corrupt += check.corrupt
+seen = {"scrubs": scrubs, "checked": checked, "corrupt": corrupt, "stores": sorted(stores)}
+print(json.dumps(seen))
+"""
+
+
+def test_two_engines_on_one_root_while_another_process_reads(
+    async_llm: Any, ngram_llm: Any, model_a: Path, shared_root: Path, tmp_path: Path
+) -> None:
+    """Two live engines of one model on one root publish to their own stores at the same
+    time; a separate process reads every object of both, over and over, meanwhile."""
+    stop = tmp_path / "stop"
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER_PROCESS, str(shared_root), str(stop)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    prompts = [
+        " ".join(f"Concurrent engines {k} line {i} expert {i * k % 8}." for i in range(20))
+        for k in range(3)
+    ]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            runs = [pool.submit(llm.generate, prompts, greedy) for llm in (async_llm, ngram_llm)]
+            results = [run.result(timeout=600) for run in runs]
+    finally:
+        stop.touch()
+        out, _ = reader.communicate(timeout=300)
+    for outputs in results:
+        for output in outputs:
+            check(model_a, output)
+    seen = json.loads(out)
+    assert reader.returncode == 0 and seen["corrupt"] == 0, seen
+    assert len(seen["stores"]) == 2 and seen["checked"] > 0, seen
+    print(f"reader process: {seen}")

@@ -160,6 +160,17 @@ class ArtifactWorkerConnector:
             hash_block_size,
             self._tracker.namespace.describe(),
         )
+        recovery = self._store.recovery
+        if recovery is not None and (recovery.objects or recovery.recreated):
+            logger.info(
+                "vllm-artifact: R3 store %s: %s; %d objects kept, %d half-written and %d "
+                "invalid slots dropped",
+                self._store.name,
+                recovery.reason,
+                recovery.objects,
+                recovery.dropped_partial,
+                recovery.dropped_invalid,
+            )
         slots = self._store.geometry.slot_count
         if slots < kv_hash_blocks:
             logger.warning(

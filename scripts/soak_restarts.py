@@ -161,7 +161,8 @@ def run_round(
         check_restart(root, records, reader, figures)
         prompts = prompts_for(index, per_round)
         modes = [i % 2 == 1 for i in range(per_round)]
-        lengths = [rng.randint(16, 160) for _ in range(per_round)]
+        # Short requests finish before the kill, long ones are cut by it.
+        lengths = [rng.randint(2, 8) if i % 3 else rng.randint(64, 200) for i in range(per_round)]
         figures.requests_sent += per_round
         with concurrent.futures.ThreadPoolExecutor(max_workers=per_round) as pool:
             futures = [
@@ -169,7 +170,7 @@ def run_round(
                 for p, n, k in zip(prompts, lengths, modes, strict=True)
             ]
             if kill is not None:
-                time.sleep(rng.uniform(1.0, 6.0))
+                time.sleep(rng.uniform(3.0, 8.0))
                 sigkill(server.process.pid, kill)
                 figures.kills[kill] += 1
             for future, keys in zip(futures, modes, strict=True):

@@ -18,7 +18,12 @@ from vllm_artifact.client import R3Keys, R3Reader, decode_r3
 from vllm_artifact.core import Namespace, full_block_keys, tail_block_key
 from vllm_artifact.core.handoff import StoreAddress
 from vllm_artifact.core.store import ShmStore
-from vllm_artifact.errors import ObjectCorruptError, ObjectMissingError, SchemaError
+from vllm_artifact.errors import (
+    ObjectCorruptError,
+    ObjectMissingError,
+    SchemaError,
+    UnsafeRootError,
+)
 
 from .conftest import SMALL, rows_for
 
@@ -190,3 +195,15 @@ def test_reader_in_another_process(store: ShmStore) -> None:
 
     assert res.stdout.split(")")[-1].strip() == hashlib.sha256(want.tobytes()).hexdigest()
     assert res.stdout.startswith(str(want.shape))
+
+
+@pytest.mark.parametrize(
+    "root, name", [("/tmp", "r3-s"), ("/dev/shm/../etc", "r3-s"), (None, ".."), (None, ".hidden")]
+)
+def test_hostile_store_address_is_refused(store: ShmStore, root: str | None, name: str) -> None:
+    """A handle names a store; the store's own root and name checks decide what opens."""
+    keys, _ = _publish(store, 1, 0)
+    handle = _handle(store.root, keys, first_row=0, num_rows=BS)
+    address = StoreAddress(root=root or store.root, name=name)
+    with R3Reader() as reader, pytest.raises(UnsafeRootError):
+        reader.read(handle.model_copy(update={"store": address}))

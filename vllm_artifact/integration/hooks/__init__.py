@@ -53,7 +53,26 @@ early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 _started = False
+#: Set on every function a hook installs, so installing twice never wraps twice.
+WRAPPED_MARK = "__vllm_artifact_wrapped__"
+
+
+def wrap_once(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    """Replace ``owner.name`` (a class attribute or a module global) with ``make(current)``,
+    unless a hook already did. ``make`` receives and returns the raw attribute, so static and
+    class methods keep their descriptor."""
+    current = owner.__dict__[name]
+    if getattr(current, WRAPPED_MARK, False) or getattr(
+        getattr(current, "__func__", None), WRAPPED_MARK, False
+    ):
+        return
+    wrapped = make(current)
+    setattr(getattr(wrapped, "__func__", wrapped), WRAPPED_MARK, True)
+    setattr(owner, name, wrapped)
 
 
 def apply_all() -> bool:

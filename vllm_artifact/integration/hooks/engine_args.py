@@ -17,6 +17,7 @@ from vllm.engine import arg_utils
 
 from vllm_artifact.integration import options, validation
 from vllm_artifact.integration.config import ArtifactConfig
+from vllm_artifact.integration.hooks import wrap_once
 from vllm_artifact.integration.metrics import register_store_metrics
 
 _WRAPPED = ("add_cli_args", "from_cli_args", "__init__", "create_engine_config")
@@ -41,8 +42,6 @@ for _field in _FIELDS:
     assert _field in arg_utils.EngineArgs.__dataclass_fields__, (
         f"EngineArgs.{_field} is gone; update vllm-artifact's engine_args hook"
     )
-
-_MARK = "__vllm_artifact_wrapped__"
 
 
 def _add_cli_args(original: Any) -> Any:
@@ -106,20 +105,10 @@ def _create_engine_config(original: Any) -> Any:
     return create_engine_config
 
 
-def _wrap(owner: type, name: str, make: Any) -> None:
-    current = owner.__dict__[name]
-    if getattr(current, _MARK, False) or getattr(getattr(current, "__func__", None), _MARK, False):
-        return
-    wrapped = make(current)
-    target = getattr(wrapped, "__func__", wrapped)
-    setattr(target, _MARK, True)
-    setattr(owner, name, wrapped)
-
-
 def install() -> None:
     engine_args = arg_utils.EngineArgs
-    _wrap(engine_args, "add_cli_args", lambda sm: staticmethod(_add_cli_args(sm.__func__)))
-    _wrap(engine_args, "from_cli_args", _from_cli_args)
-    _wrap(engine_args, "create_engine_config", _create_engine_config)
+    wrap_once(engine_args, "add_cli_args", lambda sm: staticmethod(_add_cli_args(sm.__func__)))
+    wrap_once(engine_args, "from_cli_args", _from_cli_args)
+    wrap_once(engine_args, "create_engine_config", _create_engine_config)
     for cls in (engine_args, arg_utils.AsyncEngineArgs):
-        _wrap(cls, "__init__", _init)
+        wrap_once(cls, "__init__", _init)

@@ -33,6 +33,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import RequestState
 
 from vllm_artifact.core.handoff import R3Keys
+from vllm_artifact.integration.hooks import wrap_once
 from vllm_artifact.integration.request_options import check_format_option
 
 _SERVING_MODULES = (completion_serving, chat_serving, tito_serving)
@@ -47,8 +48,6 @@ for _owner, _name in (
         f"{getattr(_owner, '__qualname__', None) or getattr(_owner, '__name__', _owner)}.{_name} "
         "is gone; update vllm-artifact's keys_handoff hook"
     )
-
-_MARK = "__vllm_artifact_wrapped__"
 
 
 def _wrap_validate_params(original: Any) -> Any:
@@ -106,9 +105,4 @@ def install() -> None:
         *((cls, "to_sampling_params", _wrap_to_sampling_params) for cls in _REQUEST_CLASSES),
         *((module, "numpy2base64", _wrap_numpy2base64) for module in _SERVING_MODULES),
     ):
-        current = owner.__dict__[name]
-        if getattr(current, _MARK, False):
-            continue
-        wrapped = wrap(current)
-        setattr(wrapped, _MARK, True)
-        setattr(owner, name, wrapped)
+        wrap_once(owner, name, wrap)

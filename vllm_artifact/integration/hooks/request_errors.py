@@ -26,6 +26,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import RequestState
 
 from vllm_artifact.core.failure import r3_failure
+from vllm_artifact.integration.hooks import wrap_once
 from vllm_artifact.integration.metrics import FAILED_REQUESTS
 
 for _owner, _name in (
@@ -37,7 +38,6 @@ for _owner, _name in (
         "request_errors hook"
     )
 
-_MARK = "__vllm_artifact_wrapped__"
 _MAX_REMEMBERED = 4096
 
 
@@ -106,9 +106,4 @@ def install() -> None:
         (RequestState, "make_request_output", _wrap_make_request_output),
         (GenerateBaseServing, "_raise_if_error", _wrap_raise_if_error),
     ):
-        current = owner.__dict__[name]
-        if getattr(current, _MARK, False):
-            continue
-        wrapped = wrap(current)
-        setattr(wrapped, _MARK, True)
-        setattr(owner, name, wrapped)
+        wrap_once(owner, name, wrap)

@@ -14,19 +14,15 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
+from vllm_artifact.integration.hooks import wrap_once
+
 assert hasattr(EngineCore, "set_weight_version"), (
     "vllm.v1.engine.core.EngineCore.set_weight_version is gone; update vllm-artifact's "
     "weight_version hook"
 )
 
-_MARK = "__vllm_artifact_wrapped__"
 
-
-def install() -> None:
-    original = EngineCore.set_weight_version
-    if getattr(original, _MARK, False):
-        return
-
+def _wrap_set_weight_version(original: Any) -> Any:
     @functools.wraps(original)
     def set_weight_version(self: Any, weight_version: str) -> None:
         original(self, weight_version)
@@ -35,5 +31,8 @@ def install() -> None:
         if setter is not None:
             setter(weight_version)
 
-    setattr(set_weight_version, _MARK, True)
-    EngineCore.set_weight_version = set_weight_version  # type: ignore[method-assign]
+    return set_weight_version
+
+
+def install() -> None:
+    wrap_once(EngineCore, "set_weight_version", _wrap_set_weight_version)

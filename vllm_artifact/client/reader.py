@@ -33,8 +33,9 @@ _MAX_OPEN_STORES = 8
 class R3Reader:
     """Materializes :class:`R3Keys` handles; keeps a few stores open between reads.
 
-    Thread-safe. A store reopened by its engine (a restart replaces the arena) is reopened
-    here on the next miss.
+    Thread-safe. A store its engine replaced (a restart with another capacity makes a new
+    arena) is reopened here after a miss. Stores dropped from the cache are not closed, so a
+    read in another thread never loses its mapping; they close when no read holds them.
     """
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -78,14 +79,11 @@ class R3Reader:
         address = (handle.store.root, handle.store.name)
         with self._lock:
             store = self._stores.pop(address, None)
-            if store is not None and fresh:
-                store.close()
-                store = None
-            if store is None:
+            if store is None or fresh:
                 store = ShmStore.open_reader(*address)
             self._stores[address] = store
             while len(self._stores) > _MAX_OPEN_STORES:
-                self._stores.popitem(last=False)[1].close()
+                self._stores.popitem(last=False)
         if store.layout.canonical() != handle.layout:
             raise SchemaError(
                 f"R3 store {address[0]}/{address[1]} holds layout {store.layout.canonical()!r}, "

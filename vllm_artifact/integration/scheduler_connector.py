@@ -86,10 +86,9 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._kv_cleared = False
         self._step_output: StepResult | None = None  # the step output take_output last saw
         self._step_rows: dict[str, tuple[int, np.ndarray]] = {}
-        # Keys-only handoff: the requests that asked for it, and rank zero's store and key
-        # context (arrives with the worker's first step output).
-        # request id -> keys of its KV blocks so far (made a step at a time, so the request's
-        # end costs a few hashes, not one per block)
+        # Keys-only handoff: request id -> keys of its KV blocks so far (made a step at a
+        # time, so the request's end costs a few hashes, not one per block), and rank zero's
+        # store and key context (arrives with the worker's first step output).
         self._keys_requests: dict[str, list[ObjectKey]] = {}
         self._keys_context: KeysContext | None = None
 
@@ -168,7 +167,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                 new_requests[request_id] = _emit_start(request)
                 extra_args = request.sampling_params.extra_args
                 if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
-                    self._keys_requests[request_id] = []
+                    self._keys_requests.setdefault(request_id, [])  # kept across preemption
             if len(block_hashes) != num_sent:
                 hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
@@ -207,12 +206,11 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         if output is not self._step_output:
             self._step_output = output
             self._step_rows = {} if output is None else output.rows_by_id()
-        rows = self._rows(request)
         if self._keys_requests:
             keys = self._keys_requests.get(request.request_id)
             if keys is not None:
                 return self._keys_output(request, keys)
-        return rows
+        return self._rows(request)
 
     def _rows(self, request: Any) -> np.ndarray | None:
         entry = self._step_rows.get(request.request_id)

@@ -81,7 +81,7 @@ class FakeRequest:
         self.num_prompt_tokens = prompt_blocks * LAYOUT.block_size + 1
         self.num_tokens = self.num_prompt_tokens
         self.block_hashes = [block_hash(prefix_tag, i) for i in range(prompt_blocks)]
-        self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0)
+        self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0, extra_args=None)
         self.status = RequestStatus.RUNNING
         self.lora_request = None
         self.mm_features: list[object] = []
@@ -205,6 +205,7 @@ def ours(root: str) -> tuple[Config, Callable[[], None]]:
     worker._step_active = False
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
     worker._layout = LAYOUT
+    worker._keys_context = None
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)

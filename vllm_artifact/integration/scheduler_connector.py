@@ -206,20 +206,22 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         if output is not self._step_output:
             self._step_output = output
             self._step_rows = {} if output is None else output.rows_by_id()
-        if self._keys_requests:
-            keys = self._keys_requests.get(request.request_id)
-            if keys is not None:
-                return self._keys_output(request, keys)
-        return self._rows(request)
-
-    def _rows(self, request: Any) -> np.ndarray | None:
-        entry = self._step_rows.get(request.request_id)
+        request_id = request.request_id
+        if self._keys_requests and request_id in self._keys_requests:
+            return self._keys_output(request, self._keys_requests[request_id])
+        entry = self._step_rows.get(request_id)
         if entry is None:
             return None
         token_start, rows = entry
+        if request.num_tokens - 1 - token_start == len(rows):
+            return rows  # the common case: every row of the step
+        return self._cut_rows(request, token_start, rows)
+
+    @staticmethod
+    def _cut_rows(request: Any, token_start: int, rows: np.ndarray) -> np.ndarray | None:
+        """The rows up to the request's last executed token (drafts past it were rejected
+        after the worker ran, or the step ran ahead of the scheduler's view)."""
         local_end = request.num_tokens - 1 - token_start
-        if local_end == len(rows):
-            return rows
         if local_end < 0:
             assert not request.is_finished(), (
                 f"vllm-artifact: finished request {request.request_id} has no R3 rows for its "

@@ -18,6 +18,7 @@ from vllm_artifact.core.tracker import (
     RequestTracker,
     StepBatch,
     StepRows,
+    TailBlock,
     eviction_id,
 )
 
@@ -44,6 +45,9 @@ def tracker(shm_root: str, layout: R3Layout) -> Iterator[Parts]:
     store.close()
 
 
+TAIL_HASH = b"tail-hash".ljust(32, b".")
+
+
 def hashes(tag: str, n: int) -> list[bytes]:
     """Block-hash-like bytes (vLLM's are sha256 digests)."""
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
@@ -62,7 +66,7 @@ def serve(
     request_id: str,
     block_hashes: list[bytes],
     rows: np.ndarray,
-    tail: tuple[bytes, int] | None = None,
+    tail: TailBlock | None = None,
 ) -> None:
     """A request computed in one step and finished: its keyed full blocks get published."""
     t.admit(request_id, 0)
@@ -196,13 +200,36 @@ def test_normal_finish_publishes_the_terminal_partial_block(
 ) -> None:
     t, store, publisher = tracker
     rows = rows_for(layout, 11, BS + 5)
-    serve(t, "a", hashes("t", 1), rows, tail=(b"tail-hash".ljust(32, b"."), 5))
+    serve(t, "a", hashes("t", 1), rows, tail=TailBlock(TAIL_HASH, BS, 5))
     assert t.tails_published == 1
     hit(t, "b", hashes("t", 1), BS, rows[BS:])  # its read waits only for the block it reads
     publisher.flush()
-    key = tail_block_key(t.namespace, b"tail-hash".ljust(32, b"."), 5)
+    key = tail_block_key(t.namespace, TAIL_HASH, 5)
     (tail,) = store.get([key])
     np.testing.assert_array_equal(tail, rows[BS:])
+
+
+@pytest.mark.parametrize("extra", [1, 3, BS - 5, BS + 2])
+def test_tail_ignores_rows_past_the_schedulers_last_token(
+    tracker: Parts, layout: R3Layout, extra: int
+) -> None:
+    """Speculative decoding can verify drafts past ``max_tokens``; vLLM drops those tokens
+    but rank zero captured their rows (possibly completing the tail's block, or more)."""
+    t, store, publisher = tracker
+    rows = rows_for(layout, 13, BS + 5 + extra)
+    serve(t, "a", hashes("s", 1), rows, tail=TailBlock(TAIL_HASH, BS, 5))
+    assert t.tails_published == 1 and "a" not in t
+    publisher.flush()
+    (tail,) = store.get([tail_block_key(t.namespace, TAIL_HASH, 5)])
+    np.testing.assert_array_equal(tail, rows[BS : BS + 5])
+
+
+def test_tail_after_a_gap_is_not_published(tracker: Parts, layout: R3Layout) -> None:
+    """Rows of the tail exist, but an earlier block never got its hash: no tail object."""
+    t, _, _ = tracker
+    rows = rows_for(layout, 14, 2 * BS + 5)
+    serve(t, "a", hashes("g", 1), rows, tail=TailBlock(TAIL_HASH, 2 * BS, 5))
+    assert t.tails_published == 0 and "a" not in t
 
 
 def test_abort_keeps_published_blocks_and_drops_the_rest(tracker: Parts, layout: R3Layout) -> None:

@@ -38,7 +38,15 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError
 
-__all__ = ["EmittedRows", "RequestTracker", "StepBatch", "StepResult", "StepRows", "eviction_id"]
+__all__ = [
+    "EmittedRows",
+    "RequestTracker",
+    "StepBatch",
+    "StepResult",
+    "StepRows",
+    "TailBlock",
+    "eviction_id",
+]
 
 logger = logging.getLogger("vllm.artifact.tracker")
 
@@ -97,6 +105,15 @@ class StepBatch(NamedTuple):
             np.array([entry.sampled for entry in entries], dtype=bool),
             rows,
         )
+
+
+class TailBlock(NamedTuple):
+    """A finished request's terminal partial block as the scheduler hashed it: tokens
+    ``[start, start + num_tokens)``, ``start`` on a block boundary."""
+
+    hash: bytes
+    start: int
+    num_tokens: int
 
 
 class EmittedRows(NamedTuple):
@@ -183,7 +200,7 @@ class _Track:
     scheduled_end: int = 0  # the scheduler's (possibly optimistic) end of the last step
     in_flight: int = 0  # steps started but not finished
     finished: bool = False
-    tail: tuple[bytes, int] | None = None  # (tail hash, tokens) to publish at teardown
+    tail: TailBlock | None = None  # the terminal partial block to publish at teardown
     failure: R3Failure | None = None
     failure_sent: bool = False
 
@@ -281,9 +298,9 @@ class RequestTracker:
         """Objects pinned because the KV cache still holds their block."""
         return len(self._pinned)
 
-    def finish(self, request_id: str, tail: tuple[bytes, int] | None = None) -> None:
+    def finish(self, request_id: str, tail: TailBlock | None = None) -> None:
         """Finished, aborted or preempted: once no step covers the request, its terminal
-        partial block is published when ``tail`` (its hash and token count) is given, and any
+        partial block is published when ``tail`` (as the scheduler hashed it) is given, and any
         other unpublished rows go."""
         track = self._tracks.get(request_id)
         if track is None:
@@ -562,30 +579,41 @@ class RequestTracker:
             return
         if track is not None and track.tail is not None and track.failure is None:
             try:
-                self._publish_tail(request_id, track, *track.tail)
+                self._publish_tail(request_id, track, track.tail)
             except Exception:  # a tail is optional: never let it fail the step
                 logger.exception("vllm-artifact: request %s: tail not published", request_id)
         if request_id in self._buffer:
             self._buffer.drop(request_id)
 
-    def _publish_tail(self, request_id: str, track: _Track, tail_hash: bytes, n: int) -> None:
-        """The rows after the last full block become one object keyed by the tail hash."""
-        tail = self._buffer.take_tail(request_id)
+    def _publish_tail(self, request_id: str, track: _Track, tail: TailBlock) -> None:
+        """The rows of the scheduler's tail become one object keyed by the tail hash.
+
+        Rank zero may hold rows past the scheduler's last token (speculative decoding
+        verified drafts beyond ``max_tokens``, which vLLM then dropped): they may even have
+        completed the tail's block, which then waits unkeyed. Only the scheduler's rows are
+        published; a gap before the tail (unkeyed earlier blocks) publishes nothing.
+        """
         bs = self._layout.block_size
-        if (
-            len(tail.rows) != n
-            or tail.token_start % bs
-            or any(index * bs < tail.token_start for index in track.unkeyed)
-        ):
+        index, n = tail.start // bs, tail.num_tokens
+        rows: np.ndarray | None = None
+        if tail.start % bs or any(i < index for i in track.unkeyed):
+            rows = None
+        elif index in track.unkeyed:
+            rows = track.unkeyed[index][:n]
+            self._buffer.drop(request_id)
+        else:
+            buffered = self._buffer.take_tail(request_id)
+            if buffered.token_start == tail.start and len(buffered.rows) >= n:
+                rows = buffered.rows[:n]
+        if rows is None or len(rows) != n:
             logger.warning(
-                "vllm-artifact: request %s finished with %d tail rows at token %d, the scheduler "
-                "hashed %d tail tokens; the tail is not published",
+                "vllm-artifact: request %s finished without the rows of its last %d tokens "
+                "from token %d; the tail is not published",
                 request_id,
-                len(tail.rows),
-                tail.token_start,
                 n,
+                tail.start,
             )
             return
-        key = tail_block_key(self.namespace, tail_hash, n)
-        self._submit([BlockRun([key], tail.rows, tail.token_start)])
+        key = tail_block_key(self.namespace, tail.hash, n)
+        self._submit([BlockRun([key], np.ascontiguousarray(rows), tail.start)])
         self.tails_published += 1

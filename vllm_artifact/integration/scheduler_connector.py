@@ -43,7 +43,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
 from vllm_artifact.core.keys import ObjectKey, full_block_keys, tail_block_key
-from vllm_artifact.core.tracker import StepResult, eviction_id
+from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_id
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
 _DEFAULT_WEIGHT_VERSION = "default"
@@ -81,7 +81,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self.weight_version = _DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
-        self._tails: dict[str, tuple[bytes, int]] = {}
+        self._tails: dict[str, TailBlock] = {}
         self._kv_evicted: list[int] = []
         self._kv_cleared = False
         self._step_output: StepResult | None = None  # the step output take_output last saw
@@ -114,7 +114,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._keys_requests.pop(request.request_id, None)
         super().request_finished(request)
 
-    def _tail_hash(self, request: Any) -> tuple[bytes, int] | None:
+    def _tail_hash(self, request: Any) -> TailBlock | None:
         """Hash of the rows after the last full block, like a KV block hash of those tokens.
 
         Rows exist for every token but the last sampled one, so the tail covers tokens
@@ -130,7 +130,8 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         tokens = request.all_token_ids[full * bs : executed]
         parent = request.block_hashes[full - 1] if full else None
         extra_keys, _ = generate_block_hash_extra_keys(request, full * bs, executed, 0)
-        return bytes(hash_block_tokens(self._hash_fn, parent, tokens, extra_keys)), len(tokens)
+        tail_hash = bytes(hash_block_tokens(self._hash_fn, parent, tokens, extra_keys))
+        return TailBlock(tail_hash, full * bs, len(tokens))
 
     def set_weight_version(self, weight_version: str) -> None:
         """Key objects of later steps under ``weight_version`` (vLLM's weight-version API)."""
@@ -262,8 +263,8 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             if tail is None:
                 return None
             self._tails[request.request_id] = tail  # request_finished sends it to the worker
-            keys.append(tail_block_key(namespace, *tail))
-            last_block_tokens = tail[1]
+            keys.append(tail_block_key(namespace, tail.hash, tail.num_tokens))
+            last_block_tokens = tail.num_tokens
         handle = R3Keys.of(
             store=context.store,
             layout=context.layout.canonical(),

@@ -18,7 +18,7 @@ from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMe
 # ``reason`` is the error's short reason (``missing``, ``corrupt``, ...); ``message`` says what
 # happened and what to do. It reaches the frontend in ``stop_reason``.
 from vllm_artifact.core.failure import R3Failure as RequestFailure
-from vllm_artifact.core.tracker import StepResult
+from vllm_artifact.core.tracker import StepResult, TailBlock
 
 __all__ = ["ArtifactStepMetadata", "RequestFailure", "StepResult"]
 
@@ -30,9 +30,10 @@ class ArtifactStepMetadata:
     step: AuxOutputConnectorMetadata
     weight_version: str
     #: Requests that finished normally (not aborted, preempted or failed) with a terminal
-    #: partial block: request id -> (tail hash, tokens in the tail). The hash is computed like
-    #: a KV block hash (same function, parent hash and extra keys) over the tail's tokens.
-    tails: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    #: partial block: request id -> its hash, first token and token count. The hash is
+    #: computed like a KV block hash (same function, parent hash and extra keys) over the
+    #: tail's tokens.
+    tails: dict[str, TailBlock] = field(default_factory=dict)
     #: Blocks the KV cache evicted since the last step (ids from ``eviction_id``), and whether
     #: it dropped every block (prefix-cache reset): their objects stop being pinned.
     kv_evicted: list[int] = field(default_factory=list)

@@ -9,6 +9,8 @@
 * Asynchronous scheduling (kept on by the CPU test switch) with prefix hits from the store.
 * N-gram speculative decoding (MRV2's n-gram speculator; on CPU its drafts come from the CPU
   support package's PyTorch proposer): rows of rejected drafts never reach the output.
+* EAGLE speculative decoding with a tiny draft that mostly guesses right (drafts accepted and
+  rejected; the draft has no router).
 * The async and n-gram engines share one store root (two live engines, two stores): both
   generate at once while a separate process reads every object of both stores.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 from vllm import SamplingParams
+from vllm_artifact_testing.eagle_draft import build_bigram_eagle_draft
 from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
 
 from vllm_artifact.client import read_r3_keys
@@ -213,6 +216,48 @@ def test_ngram_speculative_decoding_matches_oracle(ngram_llm: Any, model_a: Path
     for output, earlier in zip(llm.generate(prompts, keys), first, strict=True):
         read = read_r3_keys(output.outputs[0].routed_experts).experts
         np.testing.assert_array_equal(read, earlier.outputs[0].routed_experts)
+
+
+EAGLE_PROMPTS = [
+    " ".join(f"Matrix sentence {i} picks expert {i * 3 % 8}." for i in range(6)),
+    "one two three four five one two three four five one two three four five one two",
+    " ".join(["the cat sat on the mat and the dog sat on the log"] * 2),
+]
+
+
+def test_eagle_speculative_decoding_matches_oracle(
+    model_a: Path, store_root: Path, llm_factory: Any, tmp_path: Path
+) -> None:
+    """EAGLE (Model Runner V2's EagleSpeculator) with a tiny draft that mostly guesses right:
+    the draft model has no router and is never bound to the capturer, R3 holds the target's
+    routing of exactly the executed tokens, and drafts verified past ``max_tokens`` (dropped
+    by vLLM) do not keep the terminal partial block out of the store (keys path)."""
+    draft = build_bigram_eagle_draft(model_a, tmp_path / "eagle-draft", EAGLE_PROMPTS)
+    llm = llm_factory(
+        model_a,
+        artifact_root=str(store_root / "eagle"),
+        speculative_config={"method": "eagle", "model": str(draft), "num_speculative_tokens": 2},
+        disable_log_stats=False,
+    )
+
+    def speculator(worker: Any) -> str:
+        return type(worker.model_runner.speculator).__name__
+
+    assert llm.collective_rpc(speculator) == ["EagleSpeculator"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first = llm.generate(EAGLE_PROMPTS, greedy)
+    for output in first:
+        check(model_a, output)
+    counters = spec_decode_counters(llm)
+    drafted = counters["vllm:spec_decode_num_draft_tokens"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted <= drafted, counters
+    assert connector_stats(llm)["tails"] == len(EAGLE_PROMPTS)
+    keys = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, extra_args=KEYS)
+    for output, earlier in zip(llm.generate(EAGLE_PROMPTS, keys), first, strict=True):
+        read = read_r3_keys(output.outputs[0].routed_experts, timeout=5).experts
+        np.testing.assert_array_equal(read, earlier.outputs[0].routed_experts)
+    print(f"EAGLE: {accepted:.0f} of {drafted:.0f} drafts accepted")
 
 
 READER_PROCESS = """

@@ -153,13 +153,37 @@ def test_async_scheduling_with_prefix_caching(async_llm: Any, model_a: Path) -> 
     assert connector_stats(llm)["reads"] > before, "prefix R3 must come from the store"
 
 
+SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
 def spec_decode_counters(llm: Any) -> dict[str, float]:
     """vLLM's speculative decoding counters (needs ``disable_log_stats=False``)."""
-    names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
     return {
         name: sum(metric.value for metric in llm.get_metrics() if metric.name == name)
-        for name in names
+        for name in SPEC_DECODE_COUNTERS
     }
+
+
+def generate_speculatively(
+    llm: Any, model: Path, prompts: list[str], params: SamplingParams
+) -> tuple[list[Any], float, float]:
+    """Generate, check every output against the oracle; returns the outputs and how many
+    drafts the engine proposed and accepted during this call."""
+    before = spec_decode_counters(llm)
+    outputs = llm.generate(prompts, params)
+    for output in outputs:
+        check(model, output)
+    after = spec_decode_counters(llm)
+    drafted, accepted = (after[name] - before[name] for name in SPEC_DECODE_COUNTERS)
+    return outputs, drafted, accepted
+
+
+def assert_keys_path_equal(llm: Any, prompts: list[str], max_tokens: int, arrays: Any) -> None:
+    """The same greedy requests on the keys path read back the array path's rows."""
+    keys = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=KEYS)
+    for output, earlier in zip(llm.generate(prompts, keys), arrays, strict=True):
+        read = read_r3_keys(output.outputs[0].routed_experts, timeout=5).experts
+        np.testing.assert_array_equal(read, earlier.outputs[0].routed_experts)
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +220,8 @@ def test_ngram_speculative_decoding_matches_oracle(ngram_llm: Any, model_a: Path
         "one two three four five one two three four five one two three four five one two",
         " ".join(["the cat sat on the mat and the dog sat on the log"] * 4),
     ]
-    first = llm.generate(prompts, greedy)
-    for output in first:
-        check(model_a, output)
-    counters = spec_decode_counters(llm)
-    drafted = counters["vllm:spec_decode_num_draft_tokens"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected: {counters}"
+    first, drafted, accepted = generate_speculatively(llm, model_a, prompts, greedy)
+    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected: {drafted=}"
 
     before = connector_stats(llm)["reads"]
     again = llm.generate(prompts, greedy)
@@ -212,10 +231,7 @@ def test_ngram_speculative_decoding_matches_oracle(ngram_llm: Any, model_a: Path
         check(model_a, output)
         assert output.outputs[0].token_ids == earlier.outputs[0].token_ids
         assert (output.outputs[0].routed_experts == earlier.outputs[0].routed_experts).all()
-    keys = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, extra_args=KEYS)
-    for output, earlier in zip(llm.generate(prompts, keys), first, strict=True):
-        read = read_r3_keys(output.outputs[0].routed_experts).experts
-        np.testing.assert_array_equal(read, earlier.outputs[0].routed_experts)
+    assert_keys_path_equal(llm, prompts, 32, first)
 
 
 EAGLE_PROMPTS = [
@@ -245,18 +261,10 @@ def test_eagle_speculative_decoding_matches_oracle(
 
     assert llm.collective_rpc(speculator) == ["EagleSpeculator"]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    first = llm.generate(EAGLE_PROMPTS, greedy)
-    for output in first:
-        check(model_a, output)
-    counters = spec_decode_counters(llm)
-    drafted = counters["vllm:spec_decode_num_draft_tokens"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    assert 0 < accepted <= drafted, counters
+    first, drafted, accepted = generate_speculatively(llm, model_a, EAGLE_PROMPTS, greedy)
+    assert 0 < accepted <= drafted, f"{accepted=} {drafted=}"
     assert connector_stats(llm)["tails"] == len(EAGLE_PROMPTS)
-    keys = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, extra_args=KEYS)
-    for output, earlier in zip(llm.generate(EAGLE_PROMPTS, keys), first, strict=True):
-        read = read_r3_keys(output.outputs[0].routed_experts, timeout=5).experts
-        np.testing.assert_array_equal(read, earlier.outputs[0].routed_experts)
+    assert_keys_path_equal(llm, EAGLE_PROMPTS, 24, first)
     print(f"EAGLE: {accepted:.0f} of {drafted:.0f} drafts accepted")
 
 

@@ -554,3 +554,14 @@ def test_cpu_kv_offloading_accepted_and_counted_in_auto_capacity(
     kv_cache = SimpleNamespace(num_blocks=64, kv_cache_tensors=[SimpleNamespace(size=64 << 22)])
     assert offloaded_kv_blocks(vllm_config, kv_cache) == 128
     assert offloaded_kv_blocks(build(tiny_model, shm_dir), kv_cache) == 0
+
+
+def test_separate_draft_model_is_refused_with_the_alternatives(
+    tiny_model: str, shm_dir: Path
+) -> None:
+    """vLLM 0.32 would die only when the worker loads the draft (its own routed-experts check
+    refuses the draft's config); refused at startup instead, naming what works."""
+    speculative = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 2}
+    with pytest.raises(ArtifactConfigError, match="separate draft model") as err:
+        build(tiny_model, shm_dir / "store", speculative_config=speculative)
+    assert "'eagle', 'eagle3', 'mtp' or 'ngram'" in str(err.value)

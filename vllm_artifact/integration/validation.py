@@ -86,6 +86,13 @@ _ADAPTIVE_SPEC = (
     "--enable-routed-experts does not support adaptive speculative verification: drop "
     "enable_adaptive_verification from --speculative-config."
 )
+_DRAFT_MODEL = (
+    "--enable-routed-experts cannot run speculative decoding with a separate draft model "
+    "(--speculative-config method 'draft_model') on vLLM 0.32: vLLM copies the routed-experts "
+    "setting into the draft model's config, whose runner is 'draft', and refuses it while the "
+    "worker loads the draft. Use 'eagle', 'eagle3', 'mtp' or 'ngram' speculative decoding, or "
+    "drop --enable-routed-experts."
+)
 _SCHEDULER = (
     "--enable-routed-experts needs vllm-artifact's scheduler (it swaps vLLM's in-process "
     "routed-experts store for the durable /dev/shm store and fails bad requests without "
@@ -178,6 +185,9 @@ def check_vllm_config(vllm_config: Any) -> ArtifactConfig:
         parallel.prefill_context_parallel_size,
     )
     _check_kv_transfer(vllm_config.kv_transfer_config)
+    speculative = vllm_config.speculative_config
+    if speculative is not None and speculative.uses_draft_model():
+        raise ArtifactConfigError(_DRAFT_MODEL)
     model_config = vllm_config.model_config
     experts = model_config.get_num_experts()
     if not model_config.is_moe or experts <= 0:

@@ -101,3 +101,12 @@ def test_key_pickles_and_words_round_trip() -> None:
     words = keys_to_words(keys)
     assert words.shape == (2, 2)
     assert words.tobytes() == b"".join(keys)
+
+
+def test_from_joined_gives_the_keys_back() -> None:
+    keys = full_block_keys(NS, [b"a", b"b", b"c"])
+    split = ObjectKey.from_joined(b"".join(keys))
+    assert split == keys and all(type(key) is ObjectKey for key in split)
+    assert ObjectKey.from_joined(b"") == []
+    with pytest.raises(SchemaError):
+        ObjectKey.from_joined(b"x" * 17)

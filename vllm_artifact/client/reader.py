@@ -57,20 +57,24 @@ class R3Reader:
         store = self._store(handle, fresh=False)
         if not keys:
             return RoutedExperts(store.layout.empty(0), store.layout.dense_layers)
-        while not all(store.exists(keys)):
-            if time.monotonic() >= deadline:
-                store = self._store(handle, fresh=True)  # the engine may have restarted
-                break
-            time.sleep(_POLL_S)
         out = store.layout.empty(held)
         try:
             store.read_into(keys, out, token_start=first_token)
-        except ObjectMissingError as err:
-            raise ObjectMissingError(
-                f"{err} The keys handle was not read within {wait:.1f} s of "
-                "the response or its objects were evicted since: read handles promptly, or "
-                "raise --artifact-capacity."
-            ) from None
+        except ObjectMissingError:
+            # The engine answered before its publisher wrote the last blocks: wait for them.
+            while not all(store.exists(keys)):
+                if time.monotonic() >= deadline:
+                    store = self._store(handle, fresh=True)  # the engine may have restarted
+                    break
+                time.sleep(_POLL_S)
+            try:
+                store.read_into(keys, out, token_start=first_token)
+            except ObjectMissingError as err:
+                raise ObjectMissingError(
+                    f"{err} The keys handle was not read within {wait:.1f} s of the response "
+                    "or its objects were evicted since: read handles promptly, or raise "
+                    "--artifact-capacity."
+                ) from None
         skip = handle.first_row - first_token
         rows = out[skip : skip + handle.num_rows]
         return RoutedExperts(rows, store.layout.dense_layers)

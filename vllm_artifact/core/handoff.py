@@ -135,7 +135,7 @@ class R3Keys(BaseModel):
         held = (last - first) * bs
         if last == len(self.keys):
             held -= bs - self.last_block_tokens
-        return [ObjectKey(bytes.fromhex(key)) for key in self.keys[first:last]], start, held
+        return ObjectKey.from_joined(bytes.fromhex("".join(self.keys[first:last]))), start, held
 
     def to_json(self) -> str:
         return self.model_dump_json()

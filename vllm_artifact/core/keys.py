@@ -55,6 +55,15 @@ class ObjectKey(bytes):
             raise SchemaError(f"ObjectKey must be {KEY_NBYTES} bytes, got {len(digest)}")
         return super().__new__(cls, digest)
 
+    @classmethod
+    def from_joined(cls, joined: bytes) -> list[ObjectKey]:
+        """The keys of a concatenation of keys (one length check for all of them: thousands
+        of keys are read back per request on the keys path)."""
+        if len(joined) % KEY_NBYTES:
+            raise SchemaError(f"{len(joined)} bytes are not a whole number of keys")
+        new = bytes.__new__
+        return [new(cls, joined[i : i + KEY_NBYTES]) for i in range(0, len(joined), KEY_NBYTES)]
+
     @property
     def name(self) -> str:
         """Hex form; safe as a file or log name."""

@@ -1,7 +1,7 @@
 """Hook: the keys-only handoff (``routed_experts_format="keys"``) in vLLM's frontend.
 
 Our scheduler connector puts a keys-only request's :class:`R3Keys` handle into vLLM's
-routed-experts transport (``R3Keys.to_transport``: a small uint8 array, not rows). Three
+routed-experts transport (``R3Keys.to_transport``: a small uint8 array, not rows). Four
 wraps, frontend process only, checked against vLLM 0.32.0:
 
 * ``vllm.v1.engine.input_processor.InputProcessor._validate_params``: the request option

@@ -5,6 +5,7 @@ Engines are expensive (~25-40 s to start on 2 CPU cores), so each is shared by a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -50,10 +51,9 @@ def shutdown_llm(llm: Any) -> None:
     if getattr(llm, "_test_shut_down", False):
         return
     llm._test_shut_down = True
-    try:
+    # vLLM may ask an already exited child for its name: that process is gone, which is fine.
+    with contextlib.suppress(psutil.NoSuchProcess):
         llm.llm_engine.engine_core.shutdown()
-    except psutil.NoSuchProcess:
-        pass  # vLLM asked an already exited child for its name: that process is gone
     gc.collect()
 
 

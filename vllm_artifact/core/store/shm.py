@@ -527,21 +527,26 @@ class ShmStore(ObjectStore):
     def _copy(
         self, slots: np.ndarray, nbytes: np.ndarray, out: memoryview, dst: np.ndarray
     ) -> None:
-        """Copy payloads into ``out``; objects in consecutive slots move as one range."""
-        payload = self._live().payload
-        src = slots * self._live().geometry.slot_nbytes
-        n = len(slots)
-        # destinations are back to back, so a run needs only contiguous sources
-        contiguous = (src[1:] == src[:-1] + nbytes[:-1]) & (dst[1:] == dst[:-1] + nbytes[:-1])
-        breaks = np.flatnonzero(~contiguous) + 1
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), n]
-        src_l, dst_l, nb_l = src.tolist(), dst.tolist(), nbytes.tolist()
-        for s, e in zip(starts, ends, strict=True):
-            a = src_l[s]
-            b = src_l[e - 1] + nb_l[e - 1]
-            d = dst_l[s]
-            out[d : d + (b - a)] = payload[a:b]
+        """Copy payloads into ``out`` (destinations are back to back): the leading whole
+        blocks with one gather, the rest (a tail object) range by range."""
+        arena = self._live()
+        slot_nbytes = arena.geometry.slot_nbytes
+        is_whole = nbytes == slot_nbytes
+        whole = len(slots) if is_whole.all() else int(np.argmin(is_whole))
+        if whole > 1 and int(dst[whole - 1]) == int(dst[0]) + (whole - 1) * slot_nbytes:
+            blocks = np.frombuffer(
+                out, dtype=np.uint8, count=whole * slot_nbytes, offset=int(dst[0])
+            ).reshape(whole, slot_nbytes)
+            # mode="clip": no bounds-check buffering (``_locate`` returns slots in range)
+            np.take(arena.payload_blocks, slots[:whole], axis=0, out=blocks, mode="clip")
+        else:
+            whole = 0
+        payload = arena.payload
+        for slot, size, at in zip(
+            slots[whole:].tolist(), nbytes[whole:].tolist(), dst[whole:].tolist(), strict=True
+        ):
+            start = slot * slot_nbytes
+            out[at : at + size] = payload[start : start + size]
 
     def read_into(
         self, keys: Sequence[ObjectKey], out: np.ndarray, *, token_start: int = 0

@@ -160,6 +160,10 @@ class Arena:
         self.words = self.headers.view("<u8").reshape(g.slot_count, 8)
         self.seq = self.words[:, 0]
         self.payload = buf[g.payload_offset : g.payload_offset + g.slot_count * g.slot_nbytes]
+        #: The same payload as ``[slots, slot_nbytes]`` bytes (whole-block copies in one call).
+        self.payload_blocks = np.frombuffer(
+            buf, dtype=np.uint8, count=g.slot_count * g.slot_nbytes, offset=g.payload_offset
+        ).reshape(g.slot_count, g.slot_nbytes)
 
     def close(self) -> None:
         """Drop every view, then unmap (numpy views pin the mapping)."""
@@ -167,7 +171,7 @@ class Arena:
         if mm is None or buf is None:
             return
         self._mm = self._buf = None
-        del self.index_table, self.headers, self.words, self.seq
+        del self.index_table, self.headers, self.words, self.seq, self.payload_blocks
         self.payload.release()
         try:
             buf.release()

@@ -1,6 +1,6 @@
 """Pure core of vllm-artifact: schema, keys, envelope, buffer, coverage, stores.
 
-Imports neither vLLM nor torch (numpy and xxhash only), so clients, tests and
+Imports neither vLLM nor torch (numpy, xxhash and pybase64 only), so clients, tests and
 tools can use it anywhere; ``tests/core/test_no_heavy_imports.py`` enforces it.
 """
 

@@ -33,13 +33,21 @@ request_errors (``RequestState.make_request_output``, ``GenerateBaseServing._rai
     How: our failures (finish reason ``error``, message in ``stop_reason``) are remembered by
     request id in the frontend and raise ``GenerationError`` (HTTP 500) with our message.
 
-keys_handoff (``InputProcessor._validate_params``, ``RequestState._new_completion_output``,
-    module global ``numpy2base64`` of the completions, chat and token-in/token-out serving
-    modules; vLLM 0.32.0)
+keys_handoff (``InputProcessor._validate_params``, ``CompletionRequest.to_sampling_params``,
+    ``ChatCompletionRequest.to_sampling_params``; vLLM 0.32.0)
     Why: a request can ask for its R3 as store keys (``routed_experts_format="keys"``).
-    How: the option is validated with vLLM's own parameter checks (HTTP 400); the handle our
-    scheduler connector sends in vLLM's routed-experts transport becomes an ``R3Keys`` on the
-    completion (cut to the tokens the frontend kept) and its JSON text in the response.
+    How: the option is validated with vLLM's own parameter checks (HTTP 400, on the OpenAI
+    server before a stream starts).
+
+terminal_output (``RequestState._new_completion_output``, module global ``numpy2base64`` of
+    the completions, chat and token-in/token-out serving modules; vLLM 0.32.0)
+    Why: vLLM's encoding of a finished request's R3 (``np.save`` into a ``BytesIO``, then
+    base64 and ``.decode``) makes three passes over many MiB; keys handles need their own
+    form.
+    How: the per-step chunks are concatenated into the data part of a complete ``.npy`` file
+    and that file is base64-encoded straight to ``str`` (same text, no further copy); the
+    handle our scheduler connector sends in vLLM's routed-experts transport becomes an
+    ``R3Keys`` on the completion and its JSON text in the response.
 
 early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
     Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general
@@ -89,6 +97,7 @@ def apply_all() -> bool:
         engine_args,
         keys_handoff,
         request_errors,
+        terminal_output,
         weight_version,
         worker_factory,
     )
@@ -98,4 +107,5 @@ def apply_all() -> bool:
     weight_version.install()
     request_errors.install()
     keys_handoff.install()
+    terminal_output.install()
     return True

@@ -9,8 +9,9 @@ plus ``pybase64.b64encode``). Timed side by side, round robin, on the same 14.5 
 * ``copy``: a plain numpy copy of the same bytes (+ the same encoding): the floor;
 * ``vLLM``: vLLM 0.32's own path: ``materialize_routed_experts`` on its in-process
   ``BlockObjectStore`` (``get_concatenated`` + ``np.frombuffer``) + ``numpy2base64``;
-* ``ours``: ``materialize`` from our /dev/shm ``ShmStore`` (checksums verified) +
-  ``numpy2base64``;
+* ``ours``: ``materialize`` from our /dev/shm ``ShmStore`` (checksums verified) + the encoder
+  our ``terminal_output`` hook puts in vLLM's serving layer in place of ``numpy2base64``
+  (``vllm_artifact.core.npy.encode_npy_base64``: the same text);
 * the client: ``vllm_artifact.client.decode_routed_experts`` of the payload string;
 * the keys-only handoff (``routed_experts_format="keys"``): what the scheduler does at the
   request's end (keys from the KV block hashes, the ``R3Keys`` JSON) and what a trainer on the
@@ -22,9 +23,9 @@ Targets (issue 6): ours <= 1.25x vLLM's path and <= 8 ms in total; client decode
 "As served" lines add what both paths also pay inside vLLM for a realistic request
 (32761-token prompt, 32752 tokens served by the prefix cache, 8 generated tokens): the
 concatenation of store rows with the rows computed in the same step, and the
-``OutputProcessor``'s concatenation of the per-step chunks at finish. "Alternative" lines time
-cheaper encodings (see the end of the output and docs/benchmarks.md); they are not what vLLM
-runs today.
+``OutputProcessor``'s concatenation of the per-step chunks at finish (which ours makes into an
+``.npy`` file, so its encoding needs no further copy). "Alternative" lines time paths nothing
+runs (see the end of the output and docs/benchmarks.md).
 
 Two allocator regimes, each in its own process: ``default`` (glibc as configured: every
 multi-MiB ``bytes``/``str`` is a fresh ``mmap`` whose pages fault in on first touch, ~3 us per
@@ -62,6 +63,7 @@ from vllm.utils.serial_utils import numpy2base64
 from vllm_artifact.client import R3Keys, R3Reader, decode_routed_experts
 from vllm_artifact.core import Namespace, R3Layout, RequestCoverage, full_block_keys, materialize
 from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.npy import concatenate_into_npy, empty_npy_file, encode_npy_base64
 from vllm_artifact.core.store import ShmStore
 
 TARGET_VS_VLLM = 1.25
@@ -73,38 +75,12 @@ GENERATED = 8  # generated tokens of the "as served" request
 MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
-# -------------------------------------------------------------- cheaper encodings (not used)
+# ------------------------------------------------------------ alternatives (not used)
 
 
-def npy_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:
-    """The ``.npy`` header ``np.save`` writes for a C-contiguous array (format 1.0)."""
-    fp = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        fp, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-    )
-    return fp.getvalue()
-
-
-def npy_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """A complete ``.npy`` file in one uninitialized buffer (numpy's allocator: no zero fill,
-    huge pages), and a writable array view of its data part."""
-    header = npy_header(shape, dtype)
-    buf = np.empty(len(header) + int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
-    buf[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-    view = buf[len(header) :].view(dtype).reshape(shape)
-    return buf, view
-
-
-def encode_one_copy(array: np.ndarray) -> str:
-    """Same bytes as ``numpy2base64``: header + one copy into a preallocated buffer, then
-    pybase64 straight to ``str`` (no ``BytesIO`` growth, no ``.decode("ascii")`` copy)."""
-    buf, view = npy_buffer(array.shape, array.dtype)
-    np.copyto(view, array)
-    return pybase64.b64encode_as_string(buf.data)
-
-
-def decode_no_copy(payload: str) -> np.ndarray:
-    """Client side without ``np.load``'s chunked copy: a writable view of the decoded bytes."""
+def decode_bytearray(payload: str) -> np.ndarray:
+    """The client decode before ``decode_npy_base64``: one ``bytearray`` from pybase64 and a
+    view of it (fast when the heap has the pages already, slow when they fault in)."""
     raw = pybase64.b64decode_as_bytearray(payload, validate=True)
     fp = io.BytesIO(raw[:4096])
     np.lib.format.read_magic(fp)
@@ -234,9 +210,9 @@ def measure(
     payload = numpy2base64(data)
     assert numpy2base64(v_mat()) == payload
     assert numpy2base64(s_mat()) == payload
-    assert encode_one_copy(s_mat()) == payload
+    assert encode_npy_base64(s_mat()) == payload
     assert np.array_equal(decode_routed_experts(payload), data)
-    assert np.array_equal(decode_no_copy(payload), data)
+    assert np.array_equal(decode_bytearray(payload), data)
 
     # "As served": prompt = tokens - GENERATED + 1, the prefix cache serves whole blocks up
     # to the last prompt token, the rest of the prompt is computed in the first step and every
@@ -247,25 +223,28 @@ def measure(
     computed = data[hit:prompt].copy()
     decode_rows = [data[t : t + 1].copy() for t in range(prompt, tokens)]
 
-    def served(first_rows: np.ndarray) -> str:
-        chunk0 = np.concatenate((first_rows, computed))  # store rows + this step's rows
-        return numpy2base64(np.concatenate([chunk0, *decode_rows]))  # OutputProcessor
-
     def v_served() -> str:
-        return served(v_mat(hit_blocks)[:hit])
+        chunk0 = np.concatenate((v_mat(hit_blocks)[:hit], computed))  # store + step rows
+        return numpy2base64(np.concatenate([chunk0, *decode_rows]))  # OutputProcessor
 
     def s_served() -> str:
         out = layout.empty(hit)  # RequestTracker._read_span
         store.read_into(keys[:hit_blocks], out, token_start=0)
-        return served(out)
+        chunk0 = np.concatenate((out, computed))
+        # our frontend hook (terminal_output): the OutputProcessor's concatenation goes into
+        # an .npy file, and the serving layer's numpy2base64 is encode_npy_base64
+        merged = concatenate_into_npy([chunk0, *decode_rows])
+        assert merged is not None
+        return encode_npy_base64(merged)
 
     assert v_served() == payload and s_served() == payload
 
     def s_into_npy() -> str:
         """Alternative: read straight into the ``.npy`` buffer, encode to ``str``."""
-        buf, view = npy_buffer(data.shape, dtype)
-        store.read_into(keys, view, token_start=0)
-        return pybase64.b64encode_as_string(buf.data)
+        made = empty_npy_file(data.shape, dtype)
+        assert made is not None
+        store.read_into(keys, made[1], token_start=0)
+        return pybase64.b64encode_as_string(made[0].data)
 
     assert s_into_npy() == payload
     encoded = io.BytesIO()
@@ -300,17 +279,18 @@ def measure(
     rounds.add("v_mat", v_mat)
     rounds.add("v_enc", lambda: numpy2base64(v_mat()))
     rounds.add("s_mat", s_mat)
-    rounds.add("s_enc", lambda: numpy2base64(s_mat()))
+    rounds.add("s_enc", lambda: encode_npy_base64(s_mat()))
+    rounds.add("s_enc_vllm", lambda: numpy2base64(s_mat()))
     rounds.add("enc", lambda: numpy2base64(data))
+    rounds.add("our_enc", lambda: encode_npy_base64(data))
     rounds.add("np_save", lambda: np.save(io.BytesIO(), data, allow_pickle=False))
     rounds.add("b64", lambda: pybase64.b64encode(npy_bytes).decode("ascii"))
+    rounds.add("b64_str", lambda: pybase64.b64encode_as_string(npy_bytes))
     rounds.add("decode", lambda: decode_routed_experts(payload))
     rounds.add("v_served", v_served)
     rounds.add("s_served", s_served)
-    rounds.add("alt_enc", lambda: encode_one_copy(data))
-    rounds.add("alt_s", lambda: encode_one_copy(s_mat()))
     rounds.add("alt_s_into", s_into_npy)
-    rounds.add("alt_decode", lambda: decode_no_copy(payload))
+    rounds.add("alt_decode", lambda: decode_bytearray(payload))
     rounds.add("k_handle", k_handle)
     rounds.add("k_keys", lambda: full_block_keys(ns, block_hashes))
     rounds.add("k_read", lambda: reader.read(handle_json))
@@ -343,27 +323,37 @@ def report(
     print(line("numpy2base64 (np.save + pybase64)", r["enc"]))
     print(line("  of which np.save into BytesIO", r["np_save"]))
     print(line("  of which pybase64.b64encode + decode('ascii')", r["b64"]))
-    print("\nterminal R3: materialize + numpy2base64 (targets on these)")
+    print(line("floor of any encoder: b64encode_as_string alone", r["b64_str"]))
+    print(
+        line(
+            "ours: encode_npy_base64 (header + one copy + b64)",
+            r["our_enc"],
+            r["enc"][0],
+            "numpy2base64",
+        )
+    )
+    print("\nterminal R3: materialize + encode (targets on these)")
     print(line("copy + numpy2base64", r["copy_enc"]))
-    print(line("vLLM's path", r["v_enc"], r["copy_enc"][0], "copy path"))
-    print(line("ours", r["s_enc"], v, "vLLM's path"))
+    print(
+        line("vLLM's path (materialize + numpy2base64)", r["v_enc"], r["copy_enc"][0], "copy path")
+    )
+    print(line("ours (materialize + encode_npy_base64)", r["s_enc"], v, "vLLM's path"))
+    print(line("  ours materialize + vLLM's numpy2base64", r["s_enc_vllm"], v, "vLLM's path"))
     print(line("client: decode_routed_experts", r["decode"]))
     print(
         f"\nas served ({tokens - GENERATED + 1}-token prompt, {hit} tokens from the prefix "
         f"cache, {GENERATED} generated; + vLLM's two concatenations)"
     )
     print(line("vLLM's path", r["v_served"]))
-    print(line("ours", r["s_served"], r["v_served"][0], "vLLM's path"))
-    print("\nalternatives (same payload bytes; not what vLLM runs today)")
     print(
         line(
-            "encode: header + one copy + b64encode_as_string",
-            r["alt_enc"],
-            r["enc"][0],
-            "numpy2base64",
+            "ours (frontend concatenation into the .npy file)",
+            r["s_served"],
+            r["v_served"][0],
+            "vLLM's path",
         )
     )
-    print(line("ours materialize + that encode", r["alt_s"], v, "vLLM's path"))
+    print("\nalternatives (same payload bytes; not what runs)")
     print(
         line(
             "ours read_into the .npy buffer + b64encode_as_string",
@@ -374,7 +364,7 @@ def report(
     )
     print(
         line(
-            "client: b64decode + frombuffer (no np.load copy)",
+            "client: one b64decode_as_bytearray + frombuffer",
             r["alt_decode"],
             r["decode"][0],
             "decode_routed_experts",

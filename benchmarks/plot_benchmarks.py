@@ -1,7 +1,8 @@
 """Draw docs/benchmarks.png from the JSON files of bench_e2e.py and bench_terminal.py.
 
-Left: end-to-end throughput ratios per workload (median over rounds; whiskers span the
-per-round ratios) against the targets ours/off >= 0.97 and ours/vLLM >= 1.00.
+Left: end-to-end throughput ratios per workload (geometric mean of the paired per-round
+ratios; whiskers: its 95% confidence interval) against the targets ours/off >= 0.97 and
+ours/vLLM >= 1.00.
 Right: terminal R3 of a 32K-token DeepSeek-V3-sized request (min of N runs) per allocator
 regime against the 8 ms target, with ours/vLLM written over each group (target <= 1.25x).
 
@@ -32,19 +33,22 @@ def plot_e2e(ax: Any, e2e: dict[str, Any]) -> None:
     ):
         xs = [i + (k - 0.5) * width for i in range(len(names))]
         ratios = [e2e["workloads"][n]["ratios"][ref] for n in names]
-        values = [r["tok_s"] for r in ratios]
-        lower = [max(v - r["round_min"], 0.0) for v, r in zip(values, ratios, strict=True)]
-        upper = [max(r["round_max"] - v, 0.0) for v, r in zip(values, ratios, strict=True)]
+        # Paired geometric mean with its 95% interval (older JSON: ratio of medians, range).
+        paired = all("paired" in r for r in ratios)
+        low, high = ("paired_ci_low", "paired_ci_high") if paired else ("round_min", "round_max")
+        values = [r["paired" if paired else "tok_s"] for r in ratios]
+        lower = [max(v - r[low], 0.0) for v, r in zip(values, ratios, strict=True)]
+        upper = [max(r[high] - v, 0.0) for v, r in zip(values, ratios, strict=True)]
         ax.bar(xs, values, width, label=label, color=color, yerr=[lower, upper], capsize=3)
         for x, v, r in zip(xs, values, ratios, strict=True):
             ax.text(
                 x, YLIM[0] + 0.01, f"{v:.3f}", ha="center", va="bottom", fontsize=8, rotation=90
             )
-            if r["round_max"] > YLIM[1]:  # a disturbed round: say where the whisker ends
+            if r[high] > YLIM[1]:  # a disturbed round: say where the whisker ends
                 ax.text(
                     x,
                     YLIM[1] - 0.01,
-                    f"up to {r['round_max']:.2f}",
+                    f"up to {r[high]:.2f}",
                     ha="center",
                     va="top",
                     fontsize=7,
@@ -58,9 +62,11 @@ def plot_e2e(ax: Any, e2e: dict[str, Any]) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(*YLIM)
     ax.set_ylabel("output tokens/s ratio (higher is better)")
+    paired = all("paired" in w["ratios"]["off"] for w in e2e["workloads"].values())
+    whiskers = "95% CI of the paired geo-mean" if paired else "per-round range"
     ax.set_title(
         f"End to end, tiny MoE on 2 CPU cores, {e2e['rounds']} round(s)\n"
-        f"(dashed: targets; whiskers: per-round range)",
+        f"(dashed: targets; whiskers: {whiskers})",
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="upper right")
@@ -71,12 +77,13 @@ def plot_terminal(ax: Any, term: dict[str, Any]) -> None:
         ("copy_enc", "numpy copy + numpy2base64", "tab:gray"),
         ("v_enc", "vLLM's path", "tab:orange"),
         ("s_enc", "ours", "tab:green"),
-        ("alt_s_into", "ours, one-buffer encode (alternative)", "tab:olive"),
+        ("v_served", "vLLM's path, as served", "tab:red"),
+        ("s_served", "ours, as served", "tab:olive"),
     )
     regimes = list(term["regimes"])
-    width = 0.2
+    width = 0.16
     for k, (key, label, color) in enumerate(bars):
-        xs = [i + (k - 1.5) * width for i in range(len(regimes))]
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(regimes))]
         values = [term["regimes"][r]["results_ms"][key][0] for r in regimes]
         ax.bar(xs, values, width, label=label, color=color)
         for x, v in zip(xs, values, strict=True):

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -30,7 +31,7 @@ from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
 def batch(server: RunningServer, model: Path) -> float:
     def one(i: int) -> int:
-        body = {
+        body: dict[str, Any] = {
             "model": str(model),
             "prompt": f"Decode request {i} " * 8,
             "max_tokens": 128,

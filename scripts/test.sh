@@ -6,6 +6,6 @@ scripts/setup.sh
 echo "== setup: ${SECONDS} s"
 VENV=.venv/bin
 echo "== ruff"; "$VENV/ruff" check . && "$VENV/ruff" format --check .
-echo "== mypy"; "$VENV/mypy"
+echo "== mypy"; "$VENV/mypy" && "$VENV/mypy" benchmarks
 echo "== pytest"; "$VENV/python" -m pytest -q -ra --durations=15 "$@"
 echo "== total: ${SECONDS} s"

@@ -40,8 +40,14 @@ On this machine the engine core and the worker each spin on a core while they wa
 other (vLLM's shm message queue), so their CPU follows wall time; the other rows show what
 anything else costs.
 
-Run: ``.venv/bin/python benchmarks/bench_e2e.py [--rounds N] [--decode-requests N] [--quick]
-[--json FILE]`` (15-25 minutes with the defaults on 2 shared cores, most of it the decode
+Server instances: each configuration runs in one server process for the whole run, so a
+server that is persistently faster or slower than another of the same configuration (seen
+here: ±5% between runs in prefill, with nothing configured differently) does not cancel in
+the paired rounds. ``--instances K`` splits the rounds into K blocks, each with freshly
+started servers in a rotated start order (``--start-order`` sets the first block's).
+
+Run: ``.venv/bin/python benchmarks/bench_e2e.py [--rounds N] [--instances K] [--decode-requests N]
+[--quick] [--json FILE]`` (15-25 minutes with the defaults on 2 shared cores, most of it the decode
 workload; ``--decode-requests 32`` adds about a third; ``--quick`` takes about 4).
 """
 
@@ -430,11 +436,18 @@ def dir_bytes(root: Path) -> tuple[int, int]:
 
 
 def start_servers(
-    stack: contextlib.ExitStack, model: Path, store_root: Path, log_dir: Path
+    stack: contextlib.ExitStack,
+    model: Path,
+    store_root: Path,
+    log_dir: Path,
+    order: Sequence[str] = CONFIGS,
 ) -> dict[str, RunningServer]:
-    """The three configurations, started one after the other (each ~40-60 s here)."""
+    """The three configurations, started one after the other in ``order`` (each ~40-60 s
+    here; the order shows whether a server's speed follows its configuration or its start)."""
+    plans = server_plans(store_root)
     servers: dict[str, RunningServer] = {}
-    for name, (args, env) in server_plans(store_root).items():
+    for name in order:
+        args, env = plans[name]
         t0 = time.perf_counter()
         with environ(VLLM_SERVER_DEV_MODE="1", **env):
             servers[name] = stack.enter_context(vllm_server(model, args, log_dir=log_dir))
@@ -597,6 +610,45 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def run_round(
+    r: int,
+    rounds: int,
+    chosen: list[Workload],
+    servers: dict[str, RunningServer],
+    pids: dict[str, int],
+    labels: ThreadLabels,
+    batches: dict[tuple[str, str], list[Batch]],
+    same: dict[str, list[int]],
+    shape_per_token: tuple[int, int],
+) -> tuple[float, float, list[str]]:
+    """Round ``r``: every workload once per configuration, the order rotated by ``r``;
+    returns (CPU of the idle servers, CPU of the busy ones, problems)."""
+    idle_cpu = busy_cpu = 0.0
+    problems: list[str] = []
+    order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
+    for workload in chosen:
+        line = [f"  round {r + 1}/{rounds} {workload.name:<7}"]
+        for name in order:
+            cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
+            batch, sample0, sample1 = timed_batch(workload, servers[name], r, pids)
+            cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
+            labels.refresh(sample1)  # new threads: named after the batch
+            batch.cpu = cpu_delta(name, sample0, sample1, labels)
+            busy_cpu += cpu1[name] - cpu0[name]
+            idle_cpu += sum(cpu1[n] - cpu0[n] for n in pids if n != name)
+            problems += check_r3(name, batch, shape_per_token)
+            batches[(workload.name, name)].append(batch)
+            line.append(f"{name} {batch.tokens_per_s:6.1f} tok/s")
+        a, b = batches[(workload.name, "vllm")][-1], batches[(workload.name, "ours")][-1]
+        s_, t_ = same_r3(a, b)
+        same[workload.name][0] += s_
+        same[workload.name][1] += t_
+        for batch in (a, b, batches[(workload.name, "off")][-1]):
+            batch.responses.clear()
+        print("  ".join(line), flush=True)
+    return idle_cpu, busy_cpu, problems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 1)")
@@ -608,6 +660,15 @@ def main() -> None:
         "--decode-requests", type=int, help="concurrent requests of the decode workload (16)"
     )
     ap.add_argument("--model", default="qwen3-moe-8x2", help="tiny model variant")
+    ap.add_argument(
+        "--start-order", default=",".join(CONFIGS), help="order in which the servers start"
+    )
+    ap.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="split the rounds over this many sets of freshly started servers",
+    )
     ap.add_argument("--json", type=Path, help="write all measurements here (for plotting)")
     args = ap.parse_args()
     sizes = QUICK if args.quick else Sizes()
@@ -615,6 +676,11 @@ def main() -> None:
         sizes = dataclasses.replace(sizes, decode_requests=args.decode_requests)
     rounds = args.rounds or (1 if args.quick else 3)
     selected = args.workloads.split(",")
+    start_order = args.start_order.split(",")
+    if sorted(start_order) != sorted(CONFIGS):
+        ap.error(f"--start-order must name each of {', '.join(CONFIGS)} once")
+    if not 1 <= args.instances <= rounds:
+        ap.error("--instances must be between 1 and the number of rounds")
 
     model_path = ensure_tiny_model(args.model)
     config = json.loads((model_path / "config.json").read_text())
@@ -635,57 +701,55 @@ def main() -> None:
     same: dict[str, list[int]] = {w.name: [0, 0] for w in chosen}
     problems: list[str] = []
     idle_cpu = busy_cpu = 0.0
+    memory: dict[str, tuple[int, int, int]] = {}
+    store = (0, 0)
+    completed = 0
+    n, k = rounds, args.instances
+    blocks = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+    aborted = False
     try:
-        with contextlib.ExitStack() as stack:
-            t_start = time.perf_counter()
-            servers = start_servers(stack, model_path, store_root, log_dir)
-            problems += check_logs(servers)
-            warm_up(servers, model)
-            print(f"  servers ready and warmed up in {time.perf_counter() - t_start:.0f} s")
-            pids = {name: s.process.pid for name, s in servers.items()}
-            labels = ThreadLabels()
-            describe_processes(pids, labels)
-            completed = 0
-            try:
-                for r in range(rounds):
-                    order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
-                    for workload in chosen:
-                        line = [f"  round {r + 1}/{rounds} {workload.name:<7}"]
-                        for name in order:
-                            cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
-                            batch, sample0, sample1 = timed_batch(workload, servers[name], r, pids)
-                            cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
-                            labels.refresh(sample1)  # new threads: named after the batch
-                            batch.cpu = cpu_delta(name, sample0, sample1, labels)
-                            busy_cpu += cpu1[name] - cpu0[name]
-                            idle_cpu += sum(cpu1[n] - cpu0[n] for n in pids if n != name)
-                            problems += check_r3(name, batch, shape_per_token)
-                            batches[(workload.name, name)].append(batch)
-                            line.append(f"{name} {batch.tokens_per_s:6.1f} tok/s")
-                        a, b = (
-                            batches[(workload.name, "vllm")][-1],
-                            batches[(workload.name, "ours")][-1],
+        for instance, block in enumerate(blocks):
+            # Each instance starts fresh servers, its start order rotated: a server process can
+            # be persistently faster or slower than another of the same configuration.
+            order = start_order[instance % 3 :] + start_order[: instance % 3]
+            if args.instances > 1:
+                print(f"  instance {instance + 1}/{args.instances}: start order {','.join(order)}")
+            with contextlib.ExitStack() as stack:
+                t_start = time.perf_counter()
+                servers = start_servers(stack, model_path, store_root, log_dir, order)
+                problems += check_logs(servers)
+                warm_up(servers, model)
+                print(f"  servers ready and warmed up in {time.perf_counter() - t_start:.0f} s")
+                pids = {name: s.process.pid for name, s in servers.items()}
+                labels = ThreadLabels()
+                describe_processes(pids, labels)
+                try:
+                    for r in block:
+                        cpu = run_round(
+                            r, rounds, chosen, servers, pids, labels, batches, same, shape_per_token
                         )
-                        s_, t_ = same_r3(a, b)
-                        same[workload.name][0] += s_
-                        same[workload.name][1] += t_
-                        for batch in (a, b, batches[(workload.name, "off")][-1]):
-                            batch.responses.clear()
-                        print("  ".join(line), flush=True)
-                    completed = r + 1
-            except (OSError, RuntimeError, httpx.HTTPError, requests.RequestException) as error:
-                # A server died (or was signalled by someone else): report complete rounds.
-                problems.append(
-                    f"aborted in round {completed + 1}: {type(error).__name__}: {error}"
-                )
-                for done in batches.values():
-                    del done[completed:]
-                rounds = completed
-                print(f"  ABORTED in round {completed + 1}: {error}", flush=True)
-            memory = {name: tree_memory(pid) for name, pid in pids.items()}
-            store = dir_bytes(store_root)
+                        idle_cpu += cpu[0]
+                        busy_cpu += cpu[1]
+                        problems += cpu[2]
+                        completed += 1
+                except (OSError, RuntimeError, httpx.HTTPError, requests.RequestException) as error:
+                    # A server died (or was signalled by someone else): report complete rounds.
+                    problems.append(
+                        f"aborted after {completed} rounds: {type(error).__name__}: {error}"
+                    )
+                    for done in batches.values():
+                        del done[completed:]
+                    print(f"  ABORTED after {completed} rounds: {error}", flush=True)
+                    aborted = True
+                for name, pid in pids.items():  # peak over the instances, the rest of the last
+                    peak, current, huge = tree_memory(pid)
+                    memory[name] = (max(peak, memory.get(name, (0, 0, 0))[0]), current, huge)
+                store = dir_bytes(store_root)
+            if aborted:
+                break
     finally:
         shutil.rmtree(store_root, ignore_errors=True)
+    rounds = completed
     load_end = os.getloadavg()
     if rounds == 0:
         print("no complete round: nothing to report; " + "; ".join(problems))
@@ -779,7 +843,7 @@ def report(
     chosen: list[Workload],
     batches: dict[tuple[str, str], list[Batch]],
     same: dict[str, list[int]],
-    memory: dict[str, tuple[int, int]],
+    memory: dict[str, tuple[int, int, int]],
     store: tuple[int, int],
     problems: list[str],
     idle_cpu: float,
@@ -840,8 +904,11 @@ def report(
         verdicts.append((f"{workload.name}: hit rate ours == off", equal))
     print("\nmemory (each server's process tree: API server, engine core, worker)")
     for c in CONFIGS:
-        peak, current = memory[c]
-        print(f"  {LABELS[c]:<15} peak RSS {peak / 2**30:5.2f} GiB, now {current / 2**30:5.2f} GiB")
+        peak, current, huge = memory[c]
+        print(
+            f"  {LABELS[c]:<15} peak RSS {peak / 2**30:5.2f} GiB, now {current / 2**30:5.2f} GiB, "
+            f"of which {huge / 2**30:5.2f} GiB in transparent huge pages"
+        )
     print(
         f"  store root of ours: {store[0] / 2**20:.1f} MiB apparent, "
         f"{store[1] / 2**20:.1f} MiB allocated in /dev/shm"
@@ -871,7 +938,7 @@ def dump_json(
     rounds: int,
     chosen: list[Workload],
     batches: dict[tuple[str, str], list[Batch]],
-    memory: dict[str, tuple[int, int]],
+    memory: dict[str, tuple[int, int, int]],
     store: tuple[int, int],
     same: dict[str, list[int]],
     problems: list[str],
@@ -888,7 +955,11 @@ def dump_json(
         "rounds": rounds,
         "sizes": sizes.__dict__,
         "targets": {"vs_off": TARGET_VS_OFF, "vs_vllm": TARGET_VS_VLLM},
-        "memory": {c: {"peak_rss": m[0], "rss": m[1]} for c, m in memory.items()},
+        "memory": {
+            c: {"peak_rss": m[0], "rss": m[1], "anon_huge_pages": m[2]} for c, m in memory.items()
+        },
+        "start_order": list(args.start_order.split(",")),
+        "instances": args.instances,
         "store_bytes": {"apparent": store[0], "allocated": store[1]},
         "problems": sorted(set(problems)),
         "workloads": {},

@@ -44,20 +44,21 @@ def server_plans(store_root: Path) -> dict[str, tuple[list[str], dict[str, str |
 
 @contextlib.contextmanager
 def environ(**values: str | None) -> Iterator[None]:
+    """Set (or, for None, unset) environment variables for the duration of the block."""
     old = {name: os.environ.get(name) for name in values}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _assign(values)
         yield
     finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _assign(old)
+
+
+def _assign(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # ------------------------------------------------------------------------------ processes
@@ -68,13 +69,15 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(sum of peak RSS ``VmHWM``, sum of current RSS) over a process tree, in bytes."""
-    peak = current = 0
+def tree_memory(pid: int) -> tuple[int, int, int]:
+    """(sum of peak RSS ``VmHWM``, sum of current RSS, sum of anonymous memory in transparent
+    huge pages) over a process tree, in bytes. Huge pages matter for the model's compute:
+    a server whose weights got them can be faster for reasons that have nothing to do with R3."""
+    peak = current = huge = 0
     try:
         procs = process_tree(pid)
     except psutil.Error:  # the server is gone
-        return 0, 0
+        return 0, 0, 0
     for proc in procs:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
@@ -82,7 +85,10 @@ def tree_memory(pid: int) -> tuple[int, int]:
                     peak += int(line.split()[1]) * 1024
                 elif line.startswith("VmRSS:"):
                     current += int(line.split()[1]) * 1024
-    return peak, current
+            for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("AnonHugePages:"):
+                    huge += int(line.split()[1]) * 1024
+    return peak, current, huge
 
 
 def tree_cpu_seconds(pid: int) -> float:

@@ -134,7 +134,8 @@ class Config:
         self.worker_ms: list[float] = []
         self.scheduler_wall_ms: list[float] = []  # wall time: also waits for the GIL
         self.worker_wall_ms: list[float] = []
-        self.writer_cpu_ms = 0.0  # CPU of the background store writer over the timed steps
+        self.writer_cpu_ms = 0.0  # CPU of the background store writer over writer_steps steps
+        self.writer_steps = 0
         self.timed_steps = 0
         for _ in range(CONCURRENCY):
             request = self._new_request(hit=False)
@@ -203,8 +204,9 @@ class Config:
         timed_before = self.timed_steps
         for _ in range(steps):
             self.step()
-        if self.timed_steps > timed_before:
+        if self.timed_steps > timed_before:  # rounds with timed steps (warm-up steps included)
             self.writer_cpu_ms += (writer_cpu_seconds(self.writer_thread) - before) * 1e3
+            self.writer_steps += steps
 
     @property
     def writer_thread(self) -> str:
@@ -336,7 +338,7 @@ def report(configs: list[Config]) -> None:
     for config in configs:
         print(
             f"  store writer thread ({config.writer_thread}) of {config.name}: "
-            f"{config.writer_cpu_ms / config.timed_steps:.3f} ms CPU per step (mean)"
+            f"{config.writer_cpu_ms / config.writer_steps:.3f} ms CPU per step (mean)"
         )
 
 

@@ -266,24 +266,28 @@ async def run_chat(
     return batch
 
 
-def prefix_counters(server: RunningServer) -> tuple[float, float]:
-    """(hits, queries) of vLLM's prefix-cache counters, summed over engines."""
-    text = requests.get(server.base_url + "/metrics", timeout=30).text
-    totals = {"hits": 0.0, "queries": 0.0}
-    for name in totals:
-        pattern = rf"^vllm:prefix_cache_{name}_total(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$"
-        totals[name] = sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
-    return totals["hits"], totals["queries"]
+#: Counters read from ``/metrics`` around every batch (summed over engines): prefix-cache
+#: hits and queries, and the count and sum of vLLM's tokens-per-engine-step histogram.
+COUNTERS = {
+    "hits": "vllm:prefix_cache_hits_total",
+    "queries": "vllm:prefix_cache_queries_total",
+    "steps": "vllm:iteration_tokens_total_count",
+    "step_tokens": "vllm:iteration_tokens_total_sum",
+}
 
 
-def engine_steps(server: RunningServer) -> tuple[float, float]:
-    """(count, sum) of vLLM's tokens-per-engine-step histogram, summed over engines."""
+def engine_counters(server: RunningServer) -> dict[str, float]:
+    """The :data:`COUNTERS` of one server, from one ``/metrics`` scrape."""
     text = requests.get(server.base_url + "/metrics", timeout=30).text
-    totals = []
-    for part in ("count", "sum"):
-        pattern = rf"^vllm:iteration_tokens_total_{part}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$"
-        totals.append(sum(float(v) for v in re.findall(pattern, text, re.MULTILINE)))
-    return totals[0], totals[1]
+    return {
+        name: sum(
+            float(v)
+            for v in re.findall(
+                rf"^{re.escape(metric)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.MULTILINE
+            )
+        )
+        for name, metric in COUNTERS.items()
+    }
 
 
 def reset_prefix_cache(server: RunningServer) -> None:
@@ -519,16 +523,15 @@ def timed_batch(
     samples of every server right before and after the requests (not around the resets and
     /metrics scrapes)."""
     reset_prefix_cache(server)
-    hits0, queries0 = prefix_counters(server)
-    steps0, tokens0 = engine_steps(server)
+    before = engine_counters(server)
     sample0 = cpu_sample(pids)
     batch = workload.run(server, round_index)
     sample1 = cpu_sample(pids)
     time.sleep(0.5)  # let the last iteration's stats reach /metrics
-    hits1, queries1 = prefix_counters(server)
-    steps1, tokens1 = engine_steps(server)
-    batch.hits, batch.queries = hits1 - hits0, queries1 - queries0
-    batch.steps, batch.step_tokens = steps1 - steps0, tokens1 - tokens0
+    after = engine_counters(server)
+    batch.hits, batch.queries = after["hits"] - before["hits"], after["queries"] - before["queries"]
+    batch.steps = after["steps"] - before["steps"]
+    batch.step_tokens = after["step_tokens"] - before["step_tokens"]
     return batch, sample0, sample1
 
 
@@ -958,7 +961,7 @@ def dump_json(
         "memory": {
             c: {"peak_rss": m[0], "rss": m[1], "anon_huge_pages": m[2]} for c, m in memory.items()
         },
-        "start_order": list(args.start_order.split(",")),
+        "start_order": args.start_order.split(","),
         "instances": args.instances,
         "store_bytes": {"apparent": store[0], "allocated": store[1]},
         "problems": sorted(set(problems)),

@@ -87,7 +87,6 @@ from server_processes import (
     environ,
     role_order,
     server_plans,
-    tree_cpu_seconds,
     tree_memory,
 )
 from vllm_artifact_testing.server import RunningServer, vllm_server
@@ -623,22 +622,17 @@ def run_round(
     batches: dict[tuple[str, str], list[Batch]],
     same: dict[str, list[int]],
     shape_per_token: tuple[int, int],
-) -> tuple[float, float, list[str]]:
+) -> list[str]:
     """Round ``r``: every workload once per configuration, the order rotated by ``r``;
-    returns (CPU of the idle servers, CPU of the busy ones, problems)."""
-    idle_cpu = busy_cpu = 0.0
+    returns the problems found."""
     problems: list[str] = []
     order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
     for workload in chosen:
         line = [f"  round {r + 1}/{rounds} {workload.name:<7}"]
         for name in order:
-            cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
             batch, sample0, sample1 = timed_batch(workload, servers[name], r, pids)
-            cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
             labels.refresh(sample1)  # new threads: named after the batch
             batch.cpu = cpu_delta(name, sample0, sample1, labels)
-            busy_cpu += cpu1[name] - cpu0[name]
-            idle_cpu += sum(cpu1[n] - cpu0[n] for n in pids if n != name)
             problems += check_r3(name, batch, shape_per_token)
             batches[(workload.name, name)].append(batch)
             line.append(f"{name} {batch.tokens_per_s:6.1f} tok/s")
@@ -649,7 +643,7 @@ def run_round(
         for batch in (a, b, batches[(workload.name, "off")][-1]):
             batch.responses.clear()
         print("  ".join(line), flush=True)
-    return idle_cpu, busy_cpu, problems
+    return problems
 
 
 def main() -> None:
@@ -703,7 +697,6 @@ def main() -> None:
     batches: dict[tuple[str, str], list[Batch]] = {(w.name, c): [] for w in chosen for c in CONFIGS}
     same: dict[str, list[int]] = {w.name: [0, 0] for w in chosen}
     problems: list[str] = []
-    idle_cpu = busy_cpu = 0.0
     memory: dict[str, tuple[int, int, int]] = {}
     store = (0, 0)
     completed = 0
@@ -728,12 +721,9 @@ def main() -> None:
                 describe_processes(pids, labels)
                 try:
                     for r in block:
-                        cpu = run_round(
+                        problems += run_round(
                             r, rounds, chosen, servers, pids, labels, batches, same, shape_per_token
                         )
-                        idle_cpu += cpu[0]
-                        busy_cpu += cpu[1]
-                        problems += cpu[2]
                         completed += 1
                 except (OSError, RuntimeError, httpx.HTTPError, requests.RequestException) as error:
                     # A server died (or was signalled by someone else): report complete rounds.
@@ -758,7 +748,7 @@ def main() -> None:
         print("no complete round: nothing to report; " + "; ".join(problems))
         print(f"server logs kept in {log_dir}")
         sys.exit(1)
-    report(chosen, batches, same, memory, store, problems, idle_cpu, busy_cpu, rounds, load_end)
+    report(chosen, batches, same, memory, store, problems, rounds, load_end)
     report_cpu(chosen, batches)
     if args.json:
         dump_json(
@@ -849,8 +839,6 @@ def report(
     memory: dict[str, tuple[int, int, int]],
     store: tuple[int, int],
     problems: list[str],
-    idle_cpu: float,
-    busy_cpu: float,
     rounds: int,
     load_end: tuple[float, float, float],
 ) -> None:
@@ -916,6 +904,9 @@ def report(
         f"  store root of ours: {store[0] / 2**20:.1f} MiB apparent, "
         f"{store[1] / 2**20:.1f} MiB allocated in /dev/shm"
     )
+    done = [b for w in chosen for c in CONFIGS for b in batches[(w.name, c)]]
+    idle_cpu = sum(b.cpu["other_servers"] for b in done)
+    busy_cpu = sum(sum(b.cpu["roles"].values()) for b in done)
     print(
         f"\nCPU used by the idle servers while another ran a batch: {idle_cpu:.1f} s "
         f"(vs {busy_cpu:.1f} s by the busy one); load average at the end {load_end[0]:.2f}"

@@ -91,19 +91,6 @@ def tree_memory(pid: int) -> tuple[int, int, int]:
     return peak, current, huge
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    total = 0.0
-    try:
-        procs = process_tree(pid)
-    except psutil.Error:  # the server is gone
-        return 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
-
-
 # ------------------------------------------------------------------------------ CPU by role
 
 #: Roles of a server's processes. The API server is the root pid; vLLM titles its engine

@@ -44,7 +44,7 @@ def plot_e2e(ax: Any, e2e: dict[str, Any]) -> None:
             ax.text(
                 x, YLIM[0] + 0.01, f"{v:.3f}", ha="center", va="bottom", fontsize=8, rotation=90
             )
-            if r[high] > YLIM[1]:  # a disturbed round: say where the whisker ends
+            if r[high] > YLIM[1]:  # the whisker leaves the plot: say where it ends
                 ax.text(
                     x,
                     YLIM[1] - 0.01,

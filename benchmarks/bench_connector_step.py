@@ -137,7 +137,12 @@ class Config:
         self.writer_cpu_ms = 0.0  # CPU of the background store writer over writer_steps steps
         self.writer_steps = 0
         self.timed_steps = 0
-        for _ in range(CONCURRENCY):
+
+    def _ramp_up(self) -> None:
+        """The batch fills over its first ``block_size`` steps, so its requests' blocks
+        complete spread over the steps (about CONCURRENCY / block_size per step), as in a
+        real batch, not all in one step."""
+        for _ in range(CONCURRENCY // LAYOUT.block_size):
             request = self._new_request(hit=False)
             # Its prompt's R3 is not asked for: the first step emits from its last token on.
             request.sampling_params.routed_experts_prompt_start = request.num_prompt_tokens - 1
@@ -152,7 +157,9 @@ class Config:
     def step(self) -> None:
         requests = self.requests
         finished: list[FakeRequest] = []
-        if self.steps and self.steps % NEW_REQUEST_EVERY == 0:
+        if len(requests) < CONCURRENCY:
+            self._ramp_up()
+        elif self.steps % NEW_REQUEST_EVERY == 0:
             victim = next(iter(requests.values()))
             del requests[victim.request_id]
             victim.status = RequestStatus.FINISHED_LENGTH_CAPPED

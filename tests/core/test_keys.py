@@ -71,8 +71,17 @@ def test_namespace_digest_is_stable() -> None:
 
 
 def test_full_block_keys_matches_single() -> None:
-    hashes = [bytes([i]) * 32 for i in range(10)]
-    assert full_block_keys(NS, hashes) == [full_block_key(NS, h) for h in hashes]
+    hashes: list[bytes] = [bytes([i]) * (1 + 7 * i) for i in range(10)]
+    hashes += [bytearray(b"ba" * 16), memoryview(b"mv" * 16)]  # type: ignore[list-item]
+    other = Namespace("other-model", NS.layout, NS.weight_version)
+    for ns in (NS, other, NS):  # the keyed hash state is cached per namespace
+        keys = full_block_keys(ns, hashes)
+        assert keys == [full_block_key(ns, h) for h in hashes]
+        assert all(type(key) is ObjectKey and len(key) == 16 for key in keys)
+    assert set(full_block_keys(NS, hashes)).isdisjoint(full_block_keys(other, hashes))
+    for bad in (b"", b"x" * 1025, "str"):
+        with pytest.raises(SchemaError):
+            full_block_keys(NS, [bad])  # type: ignore[list-item]
 
 
 def test_key_validation() -> None:

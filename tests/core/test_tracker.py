@@ -195,6 +195,27 @@ def test_finish_waits_for_steps_in_flight(tracker: Parts, layout: R3Layout) -> N
     assert "a" not in t
 
 
+def test_finish_waits_for_every_step_in_flight(tracker: Parts, layout: R3Layout) -> None:
+    """Async scheduling: two steps of a request run when it is aborted; it stays until the
+    last of them ends (whatever id lists the steps carry)."""
+    t, _, _ = tracker
+    t.admit("a", 0)
+    t.admit("b", 0)
+    first, second = ["a", "b"], ["b", "a"]
+    t.step_started(first)
+    t.step_started(second)
+    t.finish("a")
+    rows = rows_for(layout, 10, 3)
+    out = t.step_finished(
+        StepBatch.of([StepRows("a", 0, 2, rows[:2], True), StepRows("b", 0, 2, rows[:2], True)])
+    )
+    assert isinstance(out["a"], EmittedRows) and "a" in t
+    out = t.step_finished(
+        StepBatch.of([StepRows("b", 2, 1, rows[2:], True), StepRows("a", 2, 1, rows[2:], True)])
+    )
+    assert out["a"].token_start == 2 and "a" not in t and "b" in t
+
+
 def test_normal_finish_publishes_the_terminal_partial_block(
     tracker: Parts, layout: R3Layout
 ) -> None:

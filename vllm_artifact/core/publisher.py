@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,18 +27,17 @@ __all__ = ["BackgroundPublisher", "BlockRun", "PinChange"]
 logger = logging.getLogger("vllm.artifact.publisher")
 
 
-@dataclass(frozen=True)
-class BlockRun:
+class BlockRun(NamedTuple):
     """Consecutive blocks of one request: ``rows[i*bs:(i+1)*bs]`` is the object of
-    ``keys[i]``; published with the store's batch fast path (``put_blocks``)."""
+    ``keys[i]``; published with the store's batch fast path (``put_blocks``). (A named tuple:
+    the worker makes one per completed block on the step path.)"""
 
     keys: Sequence[ObjectKey]
     rows: np.ndarray
     token_start: int
 
 
-@dataclass(frozen=True)
-class PinChange:
+class PinChange(NamedTuple):
     """Add (``pin=True``) or drop one pin reference on each key, in order with publication."""
 
     keys: Sequence[ObjectKey]

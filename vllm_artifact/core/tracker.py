@@ -56,7 +56,7 @@ def eviction_id(block_hash: bytes | int) -> int:
     endian, as with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); raw hashes map to the same id."""
     if isinstance(block_hash, int):
         return block_hash & _ID_MASK
-    return int.from_bytes(bytes(block_hash), "big") & _ID_MASK
+    return int.from_bytes(bytes(block_hash)[-8:], "big")
 
 
 _ID_MASK = (1 << 64) - 1
@@ -198,7 +198,6 @@ class _Track:
     pending_count: int = 0  # rows in ``pending``
     capture_end: int | None = None  # token after the last captured row
     scheduled_end: int = 0  # the scheduler's (possibly optimistic) end of the last step
-    in_flight: int = 0  # steps started but not finished
     finished: bool = False
     tail: TailBlock | None = None  # the terminal partial block to publish at teardown
     failure: R3Failure | None = None
@@ -223,6 +222,9 @@ class RequestTracker:
         self._publisher = publisher
         self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes)
         self._tracks: dict[str, _Track] = {}
+        # The request ids of each started, unfinished step, oldest first (a step list per
+        # step, not a counter per request: no per-request work at either end of a step).
+        self._steps_in_flight: list[Sequence[str]] = []
         # Per buffer slot: the token a steady-decode step must start at, or -1 (general path).
         self._ready_at = np.full(64, -1, dtype=np.int64)
         self._pinned: dict[int, ObjectKey] = {}  # eviction id of a KV block -> object pinned
@@ -308,30 +310,48 @@ class RequestTracker:
         self._leave_fast(track)
         track.finished = True
         track.tail = tail
-        if track.in_flight == 0:
+        if not self._in_flight(request_id):
             self._teardown(request_id)
 
     # ---------------------------------------------------------------- the step
 
     def step_started(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            track = self._tracks.get(request_id)
-            if track is None:
-                track = self._tracks[request_id] = _Track(emit_cursor=0)
-                track.failure = R3Failure(
-                    "internal",
-                    f"R3 for request {request_id}: scheduled without its metadata; its R3 "
-                    "cannot be trusted (an internal error of vllm-artifact: please report it)",
-                )
-            track.in_flight += 1
+        """A step of these requests runs; :meth:`step_finished` gets the same ids, in the
+        order steps were started."""
+        tracks = self._tracks
+        if not all(map(tracks.__contains__, request_ids)):
+            for request_id in request_ids:
+                if request_id not in tracks:
+                    tracks[request_id] = _Track(emit_cursor=0)
+                    tracks[request_id].failure = R3Failure(
+                        "internal",
+                        f"R3 for request {request_id}: scheduled without its metadata; its R3 "
+                        "cannot be trusted (an internal error of vllm-artifact: please report it)",
+                    )
+        self._steps_in_flight.append(request_ids)
+
+    def _step_done(self, request_ids: Sequence[str]) -> None:
+        """Forget the started step of these request ids (the same list, else an equal one)."""
+        steps = self._steps_in_flight
+        for i, started in enumerate(steps):
+            if started is request_ids:
+                del steps[i]
+                return
+        for i, started in enumerate(steps):
+            if list(started) == list(request_ids):
+                del steps[i]
+                return
+
+    def _in_flight(self, request_id: str) -> bool:
+        """Some started step covers the request (its rows are still to come)."""
+        return any(request_id in ids for ids in self._steps_in_flight)
 
     def step_finished(self, step: StepBatch) -> StepResult:
         """Record one finished step; returns each request's new rows or its failure."""
         ids = step.request_ids
-        tracks = [self._tracks[request_id] for request_id in ids]
-        for track in tracks:
-            track.in_flight -= 1
-        slots = np.fromiter((track.slot for track in tracks), np.int64, len(tracks))
+        self._step_done(ids)
+        tracks = self._tracks
+        slots = self._buffer.slots_of(ids)
         fast = (
             (slots >= 0)
             & (self._ready_at[slots] == step.token_starts)
@@ -344,11 +364,12 @@ class RequestTracker:
         ready: list[BlockRun | PinChange] = []
         fast_entries = np.flatnonzero(fast)
         if len(fast_entries):
-            ready += self._decode_fast(step, fast_entries, slots, tracks, result)
+            ready += self._decode_fast(step, fast_entries, slots, result)
         slow_entries = np.flatnonzero(~fast).tolist() if len(fast_entries) < len(ids) else []
         to_emit: list[tuple[str, _Track, int]] = []
         for i in slow_entries:
-            track, request_id = tracks[i], ids[i]
+            request_id = ids[i]
+            track = tracks[request_id]
             self._leave_fast(track)
             if track.failure is not None:
                 continue
@@ -375,13 +396,14 @@ class RequestTracker:
             except Exception as error:
                 self._fail(request_id, track, error)
         for i in slow_entries:
-            track, request_id = tracks[i], ids[i]
-            if request_id not in self._tracks:
+            request_id = ids[i]
+            if request_id not in tracks:
                 continue
+            track = tracks[request_id]
             if track.failure is not None and not track.failure_sent:
                 outputs[request_id] = track.failure
                 track.failure_sent = True
-            if track.finished and track.in_flight == 0:
+            if track.finished and not self._in_flight(request_id):
                 self._teardown(request_id)
             else:
                 self._enter_fast(request_id, track)
@@ -392,13 +414,12 @@ class RequestTracker:
         step: StepBatch,
         entries: np.ndarray,
         slots: np.ndarray,
-        tracks: list[_Track],
         result: StepResult,
     ) -> list[BlockRun | PinChange]:
         """Steady-decode entries: one row each, written and emitted for all of them at once."""
         slots = slots[entries]
         tokens = step.token_starts[entries]
-        rows = step.rows[step.row_starts[entries]]  # gathered: the result does not pin the step
+        rows = step.rows.take(step.row_starts[entries], axis=0)  # a copy: does not pin the step
         completed = self._buffer.append_one_each(slots, tokens, rows)
         self._ready_at[slots] = tokens + 1
         ids = step.request_ids
@@ -414,7 +435,7 @@ class RequestTracker:
             completed.rows,
             strict=True,
         ):
-            track = tracks[int(entries[position])]
+            track = self._tracks[ids[int(entries[position])]]
             track.unkeyed[block_index] = block
             ready += self._keyed_blocks(track)
         return ready
@@ -486,9 +507,12 @@ class RequestTracker:
         """Complete blocks whose KV block hash has arrived, as runs of consecutive blocks,
         followed by one pin per block the KV cache holds (every hashed full block is cached
         by vLLM's prefix cache) that is not pinned yet; :meth:`kv_evicted` drops it."""
-        if not track.unkeyed:
+        unkeyed = track.unkeyed
+        if not unkeyed:
             return []
-        ready = sorted(index for index in track.unkeyed if index < len(track.keys))
+        if len(unkeyed) == 1:  # the common case: one block completed (decode)
+            return self._keyed_block(track)
+        ready = sorted(index for index in unkeyed if index < len(track.keys))
         runs: list[BlockRun | PinChange] = []
         pins: list[ObjectKey] = []
         for index in ready:
@@ -507,6 +531,20 @@ class RequestTracker:
         if pins:
             runs.append(PinChange(pins, pin=True))
         return runs
+
+    def _keyed_block(self, track: _Track) -> list[BlockRun | PinChange]:
+        """:meth:`_keyed_blocks` of a track with exactly one unkeyed block."""
+        ((index, rows),) = track.unkeyed.items()
+        if index >= len(track.keys):
+            return []
+        del track.unkeyed[index]
+        key = track.keys[index]
+        run: list[BlockRun | PinChange] = [BlockRun([key], rows, index * self._layout.block_size)]
+        block_id = eviction_id(track.hashes[index])
+        if block_id not in self._pinned:
+            self._pinned[block_id] = key
+            run.append(PinChange([key], pin=True))
+        return run
 
     def _submit(self, runs: list[BlockRun | PinChange]) -> None:
         """Queue one publication: every block first, then their pins in one change (the

@@ -20,6 +20,7 @@ slots), so a decode step of every running request is one vectorized write
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from itertools import repeat
 from typing import NamedTuple
 
@@ -271,4 +272,11 @@ def _as_items(rows: np.ndarray) -> np.ndarray:
     view when ``rows`` is C-contiguous): numpy then moves a whole row per index (a memcpy),
     not element by element, which makes the vectorized decode write several times faster."""
     row_nbytes = rows.shape[-2] * rows.shape[-1] * rows.itemsize
-    return np.ascontiguousarray(rows).reshape(-1).view(np.dtype((np.void, row_nbytes)))
+    if not rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows)
+    return rows.reshape(-1).view(_row_item_dtype(row_nbytes))
+
+
+@lru_cache(maxsize=8)
+def _row_item_dtype(row_nbytes: int) -> np.dtype[np.void]:
+    return np.dtype((np.void, row_nbytes))

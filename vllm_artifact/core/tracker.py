@@ -266,7 +266,7 @@ class RequestTracker:
             track = self._tracks.get(request_id)
             if track is None:
                 continue
-            hashes = [bytes(h) for h in block_hashes]
+            hashes = list(map(bytes, block_hashes))
             track.hashes.extend(hashes)
             track.keys.extend(full_block_keys(self.namespace, hashes))
             ready += self._keyed_blocks(track)

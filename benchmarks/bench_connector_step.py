@@ -11,8 +11,11 @@ methods the engine calls, both our connectors and vLLM 0.32's own AuxOutput conn
 with the facts of a decode-heavy batch: 256 concurrent decoding requests, DeepSeek-V3-sized R3
 (58 layers x top-8, uint8), 16-token blocks; each step every request decodes one token (a
 block's hash arrives the step after it fills); every few steps a request finishes and a new one
-arrives with a 1024-token prefix hit whose R3 is read from the store. The two configurations
-run alternately in rounds (machine drift hits both alike), each with its own state.
+arrives with a 1024-token prefix hit whose R3 is read from the store; the KV cache, full as in
+steady state, evicts up to 16 blocks of finished requests per step (KV cache events: ours
+unpins their store objects, as every published block is pinned while the KV cache holds it).
+Block hashes are sha256 digests, as vLLM's. The two configurations run alternately in rounds
+(machine drift hits both alike), each with its own state.
 
 Prints, per step, for each side and configuration the median and p90 of the step thread's CPU
 time (``time.thread_time``: the measure of the targets from issue 6, ours <= 0.3 ms on the
@@ -25,6 +28,8 @@ Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import os
 import shutil
 import statistics
@@ -47,8 +52,9 @@ from vllm.distributed.aux_output_connector.store import (
     BlockObjectStore,
 )
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+from vllm.distributed.kv_events import BlockRemoved
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, init_none_hash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.keys import full_block_keys
@@ -63,13 +69,16 @@ LAYOUT = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
 CONCURRENCY = 256
 PREFIX_BLOCKS = 64  # 1024-token prefix hit for new requests
 NEW_REQUEST_EVERY = 4  # steps
+EVICTIONS_PER_STEP = 16  # a full KV cache frees about as many blocks as the batch fills
 WARM_UP_STEPS = 20
 TARGET_SCHEDULER_MS = 0.3
 TARGET_WORKER_MS = 0.5
 
 
 def block_hash(tag: int, i: int) -> bytes:
-    return tag.to_bytes(8, "little") + i.to_bytes(8, "little") + bytes(16)
+    """A 32-byte block hash that looks like vLLM's (sha256): KV events and our pins key a
+    block by its hash's last 8 bytes, so they must differ between blocks."""
+    return hashlib.sha256(tag.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()
 
 
 PREFIX_HASHES = [block_hash(0, i) for i in range(PREFIX_BLOCKS)]
@@ -81,6 +90,7 @@ class FakeRequest:
     def __init__(self, request_id: str, prefix_tag: int, own_tag: int, prompt_blocks: int) -> None:
         self.request_id = request_id
         self.tag = own_tag  # blocks after the shared prefix are this request's own
+        self.own_from = 0 if prefix_tag == own_tag else prompt_blocks  # first own block
         self.num_prompt_tokens = prompt_blocks * LAYOUT.block_size + 1
         self.num_tokens = self.num_prompt_tokens
         self.block_hashes = [block_hash(prefix_tag, i) for i in range(prompt_blocks)]
@@ -130,6 +140,8 @@ class Config:
         self.requests: dict[str, FakeRequest] = {}
         self.next_id = 0
         self.steps = 0
+        # Blocks of finished requests, oldest first: what a full KV cache evicts next.
+        self.evictable: collections.deque[bytes] = collections.deque()
         self.scheduler_ms: list[float] = []  # CPU time of the step thread (the targets)
         self.worker_ms: list[float] = []
         self.scheduler_wall_ms: list[float] = []  # wall time: also waits for the GIL
@@ -137,6 +149,8 @@ class Config:
         self.writer_cpu_ms = 0.0  # CPU of the background store writer over writer_steps steps
         self.writer_steps = 0
         self.timed_steps = 0
+        # Ours unpins the store objects of evicted KV blocks; vLLM's own store pins nothing.
+        self.observe_kv_events = getattr(scheduler, "observe_kv_events", None)
 
     def _ramp_up(self) -> None:
         """The batch fills over its first ``block_size`` steps, so its requests' blocks
@@ -164,6 +178,7 @@ class Config:
             del requests[victim.request_id]
             victim.status = RequestStatus.FINISHED_LENGTH_CAPPED
             finished.append(victim)
+            self.evictable.extend(victim.block_hashes[victim.own_from :])
             new = self._new_request(hit=True)
             requests[new.request_id] = new
         n = len(requests)
@@ -180,7 +195,16 @@ class Config:
         num_sampled = np.ones(n, dtype=np.int32)
         num_rejected = np.zeros(n, dtype=np.int32)
 
+        evicted = [
+            self.evictable.popleft() for _ in range(min(EVICTIONS_PER_STEP, len(self.evictable)))
+        ]
+        events = [
+            BlockRemoved([maybe_convert_block_hash(BlockHash(h)) for h in evicted], medium="GPU")
+        ]
+
         c0, t0 = time.thread_time(), time.perf_counter()
+        if self.observe_kv_events is not None:
+            self.observe_kv_events(events)
         for request in finished:
             self.scheduler.request_finished(request)
         metadata = self.scheduler.build_connector_meta(scheduler_output, requests)
@@ -233,7 +257,7 @@ def writer_cpu_seconds(name: str) -> float:
 
 
 def ours(root: str) -> tuple[Config, Callable[[], None]]:
-    store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=64 << 20)
+    store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=256 << 20)
     publisher = BackgroundPublisher(store)
     tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
     # The shared prefix was published by an earlier request.
@@ -305,6 +329,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for config in configs:
                 config.run(args.steps)
+        publisher = configs[0].worker._publisher
+        publisher.flush()
+        assert not publisher.failures, "every block was published (see the log)"
         report(configs)
     finally:
         for close in closers:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_artifact.core.keys import Namespace
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 
@@ -48,4 +48,32 @@ def test_collision_keeps_first_object_and_publishes_the_rest(
         np.testing.assert_array_equal(first, rows_for(layout, 0))
         np.testing.assert_array_equal(second, rows_for(layout, 1))
         np.testing.assert_array_equal(third, rows_for(layout, 2))
+        publisher.close()
+
+
+def test_pins_follow_the_pin_change_exactly(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    """A step's blocks and a pin on each of them go to the store as one pinned put; a pin
+    change naming only some blocks, or a collided block, pins exactly those keys once."""
+    bs = layout.block_size
+    with ShmStore.create_or_open_writer(
+        shm_root, "s", layout=layout, capacity_bytes=64 * layout.block_nbytes * 2
+    ) as store:
+        publisher = BackgroundPublisher(store)
+        keys = [key_for(namespace, i) for i in range(9)]
+
+        def run(first: int, count: int, *, rows_seed: int | None = None) -> BlockRun:
+            rows = [rows_for(layout, rows_seed or i) for i in range(first, first + count)]
+            return BlockRun(keys[first : first + count], np.concatenate(rows), first * bs)
+
+        store.put([(keys[6], rows_for(layout, 6), 6 * bs)], pin=False)
+        publisher.submit([run(0, 2), run(2, 2), PinChange(keys[:4], pin=True)])
+        publisher.submit([run(4, 2), PinChange([keys[4]], pin=True)])
+        publisher.submit([run(6, 3, rows_seed=99), PinChange(keys[6:9], pin=True)])  # 6 collides
+        publisher.flush()
+        assert publisher.collisions == 1 and publisher.failures == 0
+        assert store.stats().pinned_objects == 8
+        assert store.unpin(keys) == [True] * 5 + [False] + [True] * 3
+        assert store.unpin(keys) == [False] * 9  # each key was pinned once
         publisher.close()

@@ -141,8 +141,13 @@ class BackgroundPublisher:
                     blocks.append(run)
                     continue
                 if blocks:
-                    self._put(blocks)
+                    # The usual step: its new blocks, then a pin on each of them (one
+                    # store pass instead of two).
+                    pin_all = run is not None and run.pin and _pins_each_once(run.keys, blocks)
+                    self._put(blocks, pin=pin_all)
                     blocks = []
+                    if pin_all:
+                        continue
                 if run is not None:
                     (self._store.pin if run.pin else self._store.unpin)(run.keys)
             self._published_objects += objects
@@ -159,15 +164,15 @@ class BackgroundPublisher:
             self._failures += 1
             logger.exception("vllm-artifact: publishing %d R3 objects failed", objects)
 
-    def _put(self, runs: list[BlockRun]) -> None:
+    def _put(self, runs: list[BlockRun], *, pin: bool) -> None:
         """Runs of several requests in one store batch (one lookup, one index update): the
         publishing thread holds the GIL for far less than with one call per run."""
         if len(runs) == 1:
             run = runs[0]
             try:
-                self._store.put_blocks(run.keys, run.rows, run.token_start, pin=False)
+                self._store.put_blocks(run.keys, run.rows, run.token_start, pin=pin)
             except KeyCollisionError:
-                self._publish_one_by_one(run)
+                self._publish_one_by_one(run, pin=pin)
             return
         bs = self._store.layout.block_size
         items = [
@@ -176,19 +181,28 @@ class BackgroundPublisher:
             for i, key in enumerate(run.keys)
         ]
         try:
-            self._store.put(items, pin=False)
+            self._store.put(items, pin=pin)
         except KeyCollisionError:
             for run in runs:
-                self._publish_one_by_one(run)
+                self._publish_one_by_one(run, pin=pin)
 
-    def _publish_one_by_one(self, run: BlockRun) -> None:
+    def _publish_one_by_one(self, run: BlockRun, *, pin: bool) -> None:
         """A block of the run collided (recomputed with different routing, e.g. GPU
         nondeterminism): keep the first object, as immutability demands, publish the rest."""
         bs = self._store.layout.block_size
         for i, key in enumerate(run.keys):
             rows = run.rows[i * bs : (i + 1) * bs]
             try:
-                self._store.put([(key, rows, run.token_start + i * bs)], pin=False)
+                self._store.put([(key, rows, run.token_start + i * bs)], pin=pin)
             except KeyCollisionError as error:
                 self._collisions += 1
                 logger.warning("vllm-artifact: kept the first R3 object: %s", error)
+                if pin:  # the kept object stands for this block in the KV cache
+                    self._store.pin([key])
+
+
+def _pins_each_once(keys: Sequence[ObjectKey], runs: list[BlockRun]) -> bool:
+    """Whether ``keys`` names every block of ``runs`` exactly once (a store put with ``pin``
+    pins each distinct key of its batch once)."""
+    distinct = set(keys)
+    return len(distinct) == len(keys) and distinct == {key for run in runs for key in run.keys}

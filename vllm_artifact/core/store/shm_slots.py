@@ -33,14 +33,26 @@ class SlotTable:
         self.hand = 0
         self.free_hand = 0
         self.evictions = 0
+        # Kept up to date by every change, so the occupancy gauges, refreshed after every
+        # publication, cost O(changed slots), not a count over all slots.
+        self._objects = 0  # occupied slots
+        self._pinned = 0  # slots with pins > 0
 
     @property
     def objects(self) -> int:
-        return int(np.count_nonzero(self.occupied))
+        return self._objects
 
     @property
     def pinned(self) -> int:
-        return int(np.count_nonzero(self.pins))
+        return self._pinned
+
+    def adopt(self, present: np.ndarray) -> None:
+        """Start from the objects a (recovered) arena holds: none pinned or referenced."""
+        self.occupied[:] = present
+        self.pins[:] = 0
+        self.referenced[:] = False
+        self._objects = int(np.count_nonzero(present))
+        self._pinned = 0
 
     def allocate(self, k: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Pick ``k`` slots; returns ``(slots, evicted_mask)`` or None if impossible.
@@ -53,7 +65,7 @@ class SlotTable:
         if k == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
         n = self.slot_count
-        free_total = n - int(np.count_nonzero(self.occupied))
+        free_total = n - self._objects
         chosen: list[np.ndarray] = []
         if free_total:
             picks = self._sweep_free(min(k, free_total))
@@ -125,13 +137,18 @@ class SlotTable:
         return np.concatenate(chosen)
 
     def fill(self, slots: np.ndarray) -> None:
-        """Mark freshly written slots as holding objects."""
+        """Mark freshly written slots (distinct, from :meth:`allocate`) as holding objects."""
+        self._objects += len(slots) - int(np.count_nonzero(self.occupied[slots]))
+        self._pinned -= int(np.count_nonzero(self.pins[slots]))
         self.occupied[slots] = True
         self.pins[slots] = 0
         self.referenced[slots] = True
 
     def release(self, slots: np.ndarray) -> None:
         """Mark slots empty (rolled back or dropped objects)."""
+        slots = np.unique(slots)
+        self._objects -= int(np.count_nonzero(self.occupied[slots]))
+        self._pinned -= int(np.count_nonzero(self.pins[slots]))
         self.occupied[slots] = False
         self.pins[slots] = 0
         self.referenced[slots] = False
@@ -139,18 +156,30 @@ class SlotTable:
     def touch(self, slots: np.ndarray) -> None:
         self.referenced[slots] = True
 
-    def pin(self, slots: np.ndarray) -> None:
-        np.add.at(self.pins, slots, 1)
+    def pin(self, slots: np.ndarray, *, distinct: bool = False) -> None:
+        """Add one pin per slot occurrence (``distinct``: the caller knows no slot repeats,
+        which allows a plain, much faster increment)."""
+        pins = self.pins
+        newly = slots[pins[slots] == 0]
+        if distinct:
+            self._pinned += len(newly)
+            pins[slots] += 1
+            return
+        self._pinned += len(newly) if len(newly) < 2 else len(np.unique(newly))
+        np.add.at(pins, slots, 1)
 
     def unpin(self, slots: np.ndarray) -> np.ndarray:
         """Drop one pin per slot occurrence; returns which entries were pinned."""
         if len(np.unique(slots)) == len(slots):
             was = self.pins[slots] > 0
-            self.pins[slots[was]] -= 1
+            dropped = slots[was]
+            self.pins[dropped] -= 1
+            self._pinned -= int(np.count_nonzero(self.pins[dropped] == 0))
             return was
         was = np.zeros(len(slots), dtype=bool)
         for i, s in enumerate(slots.tolist()):
             if self.pins[s] > 0:
                 self.pins[s] -= 1
+                self._pinned -= int(self.pins[s] == 0)
                 was[i] = True
         return was

@@ -35,7 +35,7 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,7 +58,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, init_none_hash, maybe_convert
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.keys import full_block_keys
-from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import RequestTracker
@@ -131,8 +131,17 @@ class StandInCapturer:
 class Config:
     """One connector pair with its own requests; :meth:`step` times one engine step."""
 
-    def __init__(self, name: str, scheduler: Any, worker: Any, capturer: StandInCapturer) -> None:
+    def __init__(
+        self,
+        name: str,
+        scheduler: Any,
+        worker: Any,
+        capturer: StandInCapturer,
+        replay_writes: Callable[[], float],
+    ) -> None:
         self.name = name
+        # CPU seconds of redoing every store write of the run on the main thread, alone.
+        self.replay_writes = replay_writes
         self.scheduler = scheduler
         self.worker = worker
         self.capturer = capturer
@@ -259,6 +268,29 @@ def writer_cpu_seconds(name: str) -> float:
 def ours(root: str) -> tuple[Config, Callable[[], None]]:
     store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=256 << 20)
     publisher = BackgroundPublisher(store)
+    submitted: list[list[BlockRun | PinChange]] = []
+    submit = publisher.submit
+
+    def recording_submit(runs: Sequence[BlockRun | PinChange]) -> None:
+        submitted.append(list(runs))
+        submit(runs)
+
+    publisher.submit = recording_submit  # type: ignore[method-assign]
+
+    def replay_writes() -> float:
+        """The publisher's work of the run, on a fresh store (it never touches the prefix)."""
+        with ShmStore.create_or_open_writer(
+            root, "replay", layout=LAYOUT, capacity_bytes=256 << 20
+        ) as fresh:
+            replayer = BackgroundPublisher(fresh)
+            started = time.thread_time()
+            for runs in submitted:
+                replayer._publish(runs)
+            seconds = time.thread_time() - started
+            replayer.close()
+        assert not replayer.failures
+        return seconds
+
     tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
     # The shared prefix was published by an earlier request.
     prefix_rows = np.random.default_rng(1).integers(
@@ -278,23 +310,45 @@ def ours(root: str) -> tuple[Config, Callable[[], None]]:
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
-    return Config("ours", scheduler, worker, capturer), worker.close
+    return Config("ours", scheduler, worker, capturer, replay_writes), worker.close
 
 
 def vllms_own() -> tuple[Config, Callable[[], None]]:
-    store = BackgroundBlockObjectStore(
-        BlockObjectStore(max_bytes=256 << 20, object_nbytes=LAYOUT.block_nbytes),
-        max_pending_batches=2 * CONCURRENCY,
-    )
+    def new_store() -> BlockObjectStore:
+        return BlockObjectStore(max_bytes=256 << 20, object_nbytes=LAYOUT.block_nbytes)
+
     prefix_rows = np.random.default_rng(1).integers(
         0, 256, (PREFIX_BLOCKS, 16 * 58 * 8), dtype=np.uint8
     )
-    store.put(
-        [
-            BlockObject(key=key, payload=row.tobytes())
-            for key, row in zip(routed_experts_keys(PREFIX_HASHES, "0"), prefix_rows, strict=True)
-        ]
-    )
+    prefix = [
+        BlockObject(key=key, payload=row.tobytes())
+        for key, row in zip(routed_experts_keys(PREFIX_HASHES, "0"), prefix_rows, strict=True)
+    ]
+    store = BackgroundBlockObjectStore(new_store(), max_pending_batches=2 * CONCURRENCY)
+    store.put(prefix)
+    submitted: list[tuple[list[BlockObject], tuple[str, ...], tuple[str, ...]]] = []
+    put = store.put
+
+    def recording_put(
+        objects: list[BlockObject], *, retain_keys: Any = (), release_keys: Any = ()
+    ) -> None:
+        retains, releases = tuple(retain_keys), tuple(release_keys)
+        submitted.append((objects, retains, releases))
+        put(objects, retain_keys=retains, release_keys=releases)
+
+    store.put = recording_put  # type: ignore[method-assign]
+
+    def replay_writes() -> float:
+        """The writer thread's work of the run, on a fresh store holding the prefix."""
+        fresh = new_store()
+        fresh.put(prefix)
+        started = time.thread_time()
+        for objects, retains, releases in submitted:
+            fresh.put(objects, retain_keys=retains, release_keys=releases)
+        seconds = time.thread_time() - started
+        fresh.close()
+        return seconds
+
     capturer = StandInCapturer()
     # What AuxOutputWorkerConnector.__init__ sets up on the output rank, without a model.
     worker = object.__new__(AuxOutputWorkerConnector)
@@ -309,7 +363,10 @@ def vllms_own() -> tuple[Config, Callable[[], None]]:
     worker._pending_outputs = []
     worker._lock = threading.Lock()
     worker._max_concurrent_batches = 1
-    return Config("vLLM's own", AuxOutputSchedulerConnector(), worker, capturer), worker.close
+    return (
+        Config("vLLM's own", AuxOutputSchedulerConnector(), worker, capturer, replay_writes),
+        worker.close,
+    )
 
 
 def main() -> None:
@@ -374,6 +431,13 @@ def report(configs: list[Config]) -> None:
             f"  store writer thread ({config.writer_thread}) of {config.name}: "
             f"{config.writer_cpu_ms / config.writer_steps:.3f} ms CPU per step (mean)"
         )
+    # The writer's CPU above includes what contention for the GIL costs it; redone alone, on
+    # one thread, its work is what it would cost on a core of its own.
+    replayed = {config.name: config.replay_writes() * 1e3 / config.steps for config in configs}
+    for name, ms in replayed.items():
+        print(f"  store writes of {name}, replayed alone on one thread: {ms:.3f} ms CPU per step")
+    ratio = replayed["ours"] / replayed["vLLM's own"]
+    print(f"  store writes replayed, ours / vLLM's own: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

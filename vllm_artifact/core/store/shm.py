@@ -411,6 +411,16 @@ class ShmStore(ObjectStore):
         arena = self._live()
         n = len(words)
         entries, hit = self._index.probe(words)
+        if not hit.any():  # the usual put: every key is new (no entry carries its tag)
+            none = np.zeros(n, dtype=bool)
+            return _Located(
+                slots=np.full(n, -1, dtype=np.int64),
+                seq=np.zeros(n, dtype=np.uint64),
+                words=np.zeros((n, 8), dtype=np.uint64),
+                present=none,
+                corrupt=none,
+                unstable=none,
+            )
         first = hit.argmax(axis=1)
         rows_n = np.arange(n)
         any_hit = hit[rows_n, first]

@@ -70,7 +70,10 @@ def test_pins_follow_the_pin_change_exactly(
         store.put([(keys[6], rows_for(layout, 6), 6 * bs)], pin=False)
         publisher.submit([run(0, 2), run(2, 2), PinChange(keys[:4], pin=True)])
         publisher.submit([run(4, 2), PinChange([keys[4]], pin=True)])
-        publisher.submit([run(6, 3, rows_seed=99), PinChange(keys[6:9], pin=True)])  # 6 collides
+        # Key 6 collides, and key 7 comes twice (two requests completed the same block).
+        publisher.submit(
+            [run(6, 3, rows_seed=99), run(7, 1, rows_seed=99), PinChange(keys[6:9], pin=True)]
+        )
         publisher.flush()
         assert publisher.collisions == 1 and publisher.failures == 0
         assert store.stats().pinned_objects == 8

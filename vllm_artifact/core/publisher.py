@@ -167,38 +167,35 @@ class BackgroundPublisher:
     def _put(self, runs: list[BlockRun], *, pin: bool) -> None:
         """Runs of several requests in one store batch (one lookup, one index update): the
         publishing thread holds the GIL for far less than with one call per run."""
-        if len(runs) == 1:
-            run = runs[0]
-            try:
-                self._store.put_blocks(run.keys, run.rows, run.token_start, pin=pin)
-            except KeyCollisionError:
-                self._publish_one_by_one(run, pin=pin)
-            return
-        bs = self._store.layout.block_size
-        items = [
-            PutItem(key, run.rows[i * bs : (i + 1) * bs], run.token_start + i * bs)
-            for run in runs
-            for i, key in enumerate(run.keys)
-        ]
         try:
+            if len(runs) == 1:
+                run = runs[0]
+                self._store.put_blocks(run.keys, run.rows, run.token_start, pin=pin)
+                return
+            bs = self._store.layout.block_size
+            items = [
+                PutItem(key, run.rows[i * bs : (i + 1) * bs], run.token_start + i * bs)
+                for run in runs
+                for i, key in enumerate(run.keys)
+            ]
             self._store.put(items, pin=pin)
         except KeyCollisionError:
             for run in runs:
-                self._publish_one_by_one(run, pin=pin)
+                self._publish_one_by_one(run)
+            if pin:  # once per distinct key, as the batch put would have; kept objects too
+                self._store.pin(list(dict.fromkeys(key for run in runs for key in run.keys)))
 
-    def _publish_one_by_one(self, run: BlockRun, *, pin: bool) -> None:
+    def _publish_one_by_one(self, run: BlockRun) -> None:
         """A block of the run collided (recomputed with different routing, e.g. GPU
         nondeterminism): keep the first object, as immutability demands, publish the rest."""
         bs = self._store.layout.block_size
         for i, key in enumerate(run.keys):
             rows = run.rows[i * bs : (i + 1) * bs]
             try:
-                self._store.put([(key, rows, run.token_start + i * bs)], pin=pin)
+                self._store.put([(key, rows, run.token_start + i * bs)], pin=False)
             except KeyCollisionError as error:
                 self._collisions += 1
                 logger.warning("vllm-artifact: kept the first R3 object: %s", error)
-                if pin:  # the kept object stands for this block in the KV cache
-                    self._store.pin([key])
 
 
 def _pins_each_once(keys: Sequence[ObjectKey], runs: list[BlockRun]) -> bool:

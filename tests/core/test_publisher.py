@@ -17,10 +17,11 @@ from .conftest import key_for, rows_for
 
 @pytest.fixture
 def store(shm_root: str, layout: R3Layout) -> Iterator[ShmStore]:
-    with ShmStore.create_or_open_writer(
+    store = ShmStore.create_or_open_writer(
         shm_root, "s", layout=layout, capacity_bytes=128 * layout.block_nbytes
-    ) as store:
-        yield store
+    )
+    yield store
+    store.close()
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ Prints, per step, for each side and configuration the median and p90 of the step
 time (``time.thread_time``: the measure of the targets from issue 6, ours <= 0.3 ms on the
 scheduler thread and <= 0.5 ms on the worker's) and of its wall time, which also counts the
 time it waits for the GIL while the store writer thread (ours: the publisher; vLLM's: its
-background store thread) holds it; and that writer thread's own CPU per step.
+background store thread) holds it; and that writer thread's own CPU per step, in the run and
+with each store's writes of the run redone alone on one thread afterwards (no GIL contention).
 Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]``
 """
 

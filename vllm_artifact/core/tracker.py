@@ -514,12 +514,7 @@ class RequestTracker:
             return self._keyed_block(track)
         ready = sorted(index for index in unkeyed if index < len(track.keys))
         runs: list[BlockRun | PinChange] = []
-        pins: list[ObjectKey] = []
-        for index in ready:
-            block_id = eviction_id(track.hashes[index])
-            if block_id not in self._pinned:
-                self._pinned[block_id] = track.keys[index]
-                pins.append(track.keys[index])
+        pins = [track.keys[index] for index in ready if self._claim_pin(track, index)]
         bs = self._layout.block_size
         while ready:
             first = end = ready.pop(0)
@@ -540,11 +535,18 @@ class RequestTracker:
         del track.unkeyed[index]
         key = track.keys[index]
         run: list[BlockRun | PinChange] = [BlockRun([key], rows, index * self._layout.block_size)]
-        block_id = eviction_id(track.hashes[index])
-        if block_id not in self._pinned:
-            self._pinned[block_id] = key
+        if self._claim_pin(track, index):
             run.append(PinChange([key], pin=True))
         return run
+
+    def _claim_pin(self, track: _Track, index: int) -> bool:
+        """Record that block ``index``'s object is pinned for its KV block; False if that KV
+        block's object is pinned already (one pin per KV block, dropped by :meth:`kv_evicted`)."""
+        block_id = eviction_id(track.hashes[index])
+        if block_id in self._pinned:
+            return False
+        self._pinned[block_id] = track.keys[index]
+        return True
 
     def _submit(self, runs: list[BlockRun | PinChange]) -> None:
         """Queue one publication: every block first, then their pins in one change (the

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_artifact.core import R3Layout, RequestRowBuffer
+from vllm_artifact.core.buffer import gather_rows
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
 LAYOUT = R3Layout(num_layers=2, top_k=2, num_experts=200, block_size=4)
@@ -20,6 +21,17 @@ def rows(start: int, stop: int, version: int = 0) -> np.ndarray:
     out[:, 0, 0] = np.arange(start, stop) % 200
     out[:, 1, 1] = version
     return out
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_gather_rows_is_fancy_indexing(dtype: type, index_dtype: type) -> None:
+    step = np.random.default_rng(0).integers(0, 200, (9, 3, 2)).astype(dtype)
+    index = np.array([8, 0, 3, 3], dtype=index_dtype)
+    for rows_in in (step, step[::2]):  # contiguous, and a strided view
+        got = gather_rows(rows_in, index[index < len(rows_in)])
+        np.testing.assert_array_equal(got, rows_in[index[index < len(rows_in)]])
+        assert got.dtype == dtype and got.flags.c_contiguous and got.base is not rows_in
 
 
 def test_blocks_then_tail() -> None:

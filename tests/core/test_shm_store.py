@@ -59,6 +59,23 @@ def test_round_trip_get_exists_read_into(
         assert (stats.objects, stats.pinned_objects, stats.writable) == (5, 5, True)
 
 
+@pytest.mark.parametrize("n_blocks", [3, 500, 501])
+def test_whole_block_reads_of_every_size_copy_the_right_slots(
+    shm_root: str, layout: R3Layout, namespace: Namespace, n_blocks: int
+) -> None:
+    """Reads of up to 500 whole blocks copy by slot items (the GIL stays held), larger ones
+    with one ``np.take``: both give each block's rows, in key order, with a tail after them."""
+    with open_writer(shm_root, layout, slots=2 * n_blocks + 2) as store:
+        keys = [key_for(namespace, i) for i in range(n_blocks + 1)]
+        data = rows_for(layout, n_blocks, n_blocks * 16 + 5)
+        # Published last block first, so the slots run against the key order.
+        store.put([(keys[i], data[16 * i : 16 * i + 16], 16 * i) for i in range(n_blocks)][::-1])
+        store.put([(keys[-1], data[-5:], 16 * n_blocks)])
+        out = layout.empty(len(data))
+        store.read_into(keys, out)
+        np.testing.assert_array_equal(out, data)
+
+
 def test_put_blocks_fast_path_with_tail(
     shm_root: str, layout: R3Layout, namespace: Namespace
 ) -> None:

@@ -117,6 +117,22 @@ def test_prefix_hit_rows_come_from_the_store(tracker: Parts, layout: R3Layout) -
     assert t.reads == 2
 
 
+@pytest.mark.parametrize(("emit_start", "cached"), [(5, 2 * BS), (0, 2 * BS - 3), (20, 2 * BS)])
+def test_prefix_hit_rows_from_mid_block_positions(
+    tracker: Parts, layout: R3Layout, emit_start: int, cached: int
+) -> None:
+    """Rows asked from inside a block (routed_experts_prompt_start) or a hit that ends inside
+    a block (a partial external hit): the store's blocks are cut to the span."""
+    t, _, _ = tracker
+    rows = rows_for(layout, 3, 2 * BS + 5)
+    serve(t, "a", hashes("p", 2), rows)
+    t.admit("b", emit_start)
+    t.add_block_hashes("b", hashes("p", 2))
+    out = step(t, "b", cached, rows[cached:])
+    assert isinstance(out, EmittedRows) and out.token_start == emit_start
+    np.testing.assert_array_equal(out.rows, rows[emit_start:])
+
+
 def test_missing_object_fails_only_that_request(tracker: Parts, layout: R3Layout) -> None:
     t, _, _ = tracker
     t.admit("hit", 0)

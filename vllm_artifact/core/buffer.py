@@ -19,6 +19,7 @@ slots), so a decode step of every running request is one vectorized write
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from itertools import repeat
@@ -29,7 +30,7 @@ import numpy as np
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
-__all__ = ["CompletedBlocks", "FullBlocks", "RequestRowBuffer", "TailRows"]
+__all__ = ["CompletedBlocks", "FullBlocks", "RequestRowBuffer", "TailRows", "gather_rows"]
 
 _NO_ROWS = -1  # ``end`` of a slot whose request has not appended yet
 _NO_SLOT = -1
@@ -86,6 +87,7 @@ class RequestRowBuffer:
         n = min(_INITIAL_SLOTS, self._max_slots)
         self._rows = layout.empty(n * self._bs).reshape(n, self._bs, *layout.row_shape)
         self._row_items = _as_items(self._rows)
+        self._block_items = _as_items(self._rows, per_row=False)
         self._block_start = np.zeros(n, dtype=np.int64)
         self._end = np.full(n, _NO_ROWS, dtype=np.int64)
         self._floor = np.zeros(n, dtype=np.int64)
@@ -197,7 +199,8 @@ class RequestRowBuffer:
         self._block_start[done] = block_starts + bs
         self._floor[done] = np.maximum(self._floor[done], block_starts + bs)
         positions, done, block_starts = positions[whole], done[whole], block_starts[whole]
-        return CompletedBlocks(positions, block_starts // bs, self._rows.take(done, axis=0))
+        blocks = _from_items(self._block_items[done], self._rows)
+        return CompletedBlocks(positions, block_starts // bs, blocks)
 
     def take_tail(self, request_id: str) -> TailRows:
         """Remove the request and return its rows after the last full block.
@@ -262,21 +265,44 @@ class RequestRowBuffer:
         rows[:n] = self._rows
         self._rows = rows
         self._row_items = _as_items(rows)
+        self._block_items = _as_items(rows, per_row=False)
         self._block_start = np.concatenate([self._block_start, np.zeros(new - n, np.int64)])
         self._end = np.concatenate([self._end, np.full(new - n, _NO_ROWS, np.int64)])
         self._floor = np.concatenate([self._floor, np.zeros(new - n, np.int64)])
 
 
-def _as_items(rows: np.ndarray) -> np.ndarray:
-    """``rows`` (``[..., layers, top_k]``) as a flat array of one opaque item per token row (a
-    view when ``rows`` is C-contiguous): numpy then moves a whole row per index (a memcpy),
-    not element by element, which makes the vectorized decode write several times faster."""
-    row_nbytes = rows.shape[-2] * rows.shape[-1] * rows.itemsize
+def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``rows[index]`` (a fresh array) for a step's ``[tokens, layers, top_k]`` rows, moved
+    as whole-row items; see :func:`_as_items`."""
+    # An index of another integer type than intp is converted inside the indexing, which
+    # releases the GIL (see _as_items); converting it first does not.
+    return _from_items(_as_items(rows)[index.astype(np.intp, copy=False)], rows)
+
+
+def _as_items(rows: np.ndarray, *, per_row: bool = True) -> np.ndarray:
+    """``rows`` (``[..., layers, top_k]``) as a flat array of one opaque item per token row, or
+    per entry of its first axis with ``per_row=False`` (a view when ``rows`` is C-contiguous).
+
+    numpy then moves a whole row (or block) per index, a memcpy, not element by element, which
+    makes the vectorized decode writes several times faster. And fancy indexing of a few
+    hundred items keeps the GIL, where ``take``, ``copy`` and fancy indexing of as many bytes
+    element by element release it: on the step thread a release hands the GIL to the store's
+    publisher thread, and getting it back can take up to the interpreter's switch interval
+    (5 ms), a wait added to the engine step (benchmarks/bench_connector_step.py, wall time).
+    """
+    item_shape = rows.shape[-2:] if per_row else rows.shape[1:]
+    item_nbytes = math.prod(item_shape) * rows.itemsize
     if not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows)
-    return rows.reshape(-1).view(_row_item_dtype(row_nbytes))
+    return rows.reshape(-1).view(_item_dtype(item_nbytes))
+
+
+def _from_items(items: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """Items made by :func:`_as_items` of ``like`` back as its dtype, ``len(items)`` entries of
+    ``like``'s first axis."""
+    return items.view(like.dtype).reshape(len(items), *like.shape[1:])
 
 
 @lru_cache(maxsize=8)
-def _row_item_dtype(row_nbytes: int) -> np.dtype[np.void]:
-    return np.dtype((np.void, row_nbytes))
+def _item_dtype(item_nbytes: int) -> np.dtype[np.void]:
+    return np.dtype((np.void, item_nbytes))

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_artifact.core.buffer import RequestRowBuffer
+from vllm_artifact.core.buffer import RequestRowBuffer, gather_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys, tail_block_key
@@ -419,7 +419,7 @@ class RequestTracker:
         """Steady-decode entries: one row each, written and emitted for all of them at once."""
         slots = slots[entries]
         tokens = step.token_starts[entries]
-        rows = step.rows.take(step.row_starts[entries], axis=0)  # a copy: does not pin the step
+        rows = gather_rows(step.rows, step.row_starts[entries])  # a copy: does not pin the step
         completed = self._buffer.append_one_each(slots, tokens, rows)
         self._ready_at[slots] = tokens + 1
         ids = step.request_ids
@@ -560,37 +560,48 @@ class RequestTracker:
 
     def _emit(self, track: _Track, token_end: int) -> EmittedRows:
         """Rows ``[emit_cursor, token_end)``: store rows for a prefix hit, then captured rows."""
-        emit_start = track.emit_cursor
-        assert track.pending_start is not None
-        parts: list[np.ndarray] = []
-        if emit_start < track.pending_start:
-            parts.append(self._read_span(track, emit_start, track.pending_start))
-            base = emit_start
+        emit_start, pending_start = track.emit_cursor, track.pending_start
+        assert pending_start is not None
+        if emit_start < pending_start:
+            # One array for the span, the store rows read straight into it: no second copy
+            # of the prefix (a concatenation that size releases the GIL, see buffer._as_items).
+            rows = self._layout.empty(token_end - emit_start)
+            at = pending_start - emit_start
+            self._read_span(track, emit_start, rows[:at])
+            for part in track.pending:
+                n = min(len(part), len(rows) - at)
+                rows[at : at + n] = part[:n]
+                at += n
         else:
-            base = track.pending_start
-        parts += track.pending
-        rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        rows = rows[emit_start - base : token_end - base]
+            pending = track.pending
+            rows = pending[0] if len(pending) == 1 else np.concatenate(pending)
+            rows = rows[emit_start - pending_start : token_end - pending_start]
         track.pending = []
         track.pending_count = 0
         track.pending_start = token_end
         track.emit_cursor = token_end
         return EmittedRows(emit_start, rows)
 
-    def _read_span(self, track: _Track, start: int, end: int) -> np.ndarray:
-        """Rows ``[start, end)`` from the store (KV-cache hits; fails closed)."""
+    def _read_span(self, track: _Track, start: int, out: np.ndarray) -> None:
+        """Rows ``[start, start + len(out))`` from the store into ``out`` (KV-cache hits;
+        fails closed)."""
         bs = self._layout.block_size
+        end = start + len(out)
         first, last = start // bs, -(-end // bs)
         if last > len(track.keys):
             raise ArtifactError(
                 f"the KV cache served tokens up to {end} but only {len(track.keys) * bs} have "
                 "block hashes; R3 for them cannot be located"
             )
-        self._publisher.flush(track.keys[first:last])  # only if some are still queued
-        out = self._layout.empty((last - first) * bs)
-        self._store.read_into(track.keys[first:last], out, token_start=first * bs)
+        keys = track.keys[first:last]
+        self._publisher.flush(keys)  # only if some are still queued
+        if start == first * bs and end == last * bs:  # whole blocks (the usual prefix hit)
+            self._store.read_into(keys, out, token_start=start)
+        else:
+            blocks = self._layout.empty((last - first) * bs)
+            self._store.read_into(keys, blocks, token_start=first * bs)
+            out[:] = blocks[start - first * bs : end - first * bs]
         self.reads += last - first
-        return out[start - first * bs : end - first * bs]
 
     def _fail(self, request_id: str, track: _Track, error: Exception) -> None:
         """Fail this request closed; typed store errors say why, anything else is a bug."""

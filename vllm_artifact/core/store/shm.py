@@ -82,6 +82,9 @@ logger = logging.getLogger(__name__)
 
 _READ_ATTEMPTS = 4
 _OPEN_ATTEMPTS = 5
+#: numpy keeps the GIL in a copy loop of at most this many items (its NPY_BEGIN_THREADS
+#: threshold); ``np.take`` always releases it.
+_GIL_KEEPING_ITEMS = 500
 
 
 @dataclass(frozen=True)
@@ -545,8 +548,14 @@ class ShmStore(ObjectStore):
             blocks = np.frombuffer(
                 out, dtype=np.uint8, count=whole * slot_nbytes, offset=int(dst[0])
             ).reshape(whole, slot_nbytes)
-            # mode="clip": no bounds-check buffering (``_locate`` returns slots in range)
-            np.take(arena.payload_blocks, slots[:whole], axis=0, out=blocks, mode="clip")
+            if whole <= _GIL_KEEPING_ITEMS:
+                # A prefix hit on the engine's step thread: a copy that keeps the GIL, so the
+                # thread does not wait for the publisher to hand it back (up to the switch
+                # interval, 5 ms). One temporary, of a few MiB at most.
+                blocks.view(arena.payload_items.dtype)[:, 0] = arena.payload_items[slots[:whole]]
+            else:
+                # mode="clip": no bounds-check buffering (``_locate`` returns slots in range)
+                np.take(arena.payload_blocks, slots[:whole], axis=0, out=blocks, mode="clip")
         else:
             whole = 0
         payload = arena.payload

@@ -164,6 +164,8 @@ class Arena:
         self.payload_blocks = np.frombuffer(
             buf, dtype=np.uint8, count=g.slot_count * g.slot_nbytes, offset=g.payload_offset
         ).reshape(g.slot_count, g.slot_nbytes)
+        #: And as one opaque item per slot (fancy indexing moves whole slots, see ShmStore._copy).
+        self.payload_items = self.payload_blocks.view(np.dtype((np.void, g.slot_nbytes)))[:, 0]
 
     def close(self) -> None:
         """Drop every view, then unmap (numpy views pin the mapping)."""
@@ -172,6 +174,7 @@ class Arena:
             return
         self._mm = self._buf = None
         del self.index_table, self.headers, self.words, self.seq, self.payload_blocks
+        del self.payload_items
         self.payload.release()
         try:
             buf.release()

@@ -429,15 +429,26 @@ class RequestTracker:
         result.decode_token_starts = tokens.tolist()
         result.decode_rows = rows
         ready: list[BlockRun | PinChange] = []
-        for position, block_index, block in zip(
-            completed.positions.tolist(),
+        pins: list[ObjectKey] = []
+        tracks, bs = self._tracks, self._layout.block_size
+        for entry, block_index, block in zip(
+            entries[completed.positions].tolist(),
             completed.block_indices.tolist(),
             completed.rows,
             strict=True,
         ):
-            track = self._tracks[ids[int(entries[position])]]
-            track.unkeyed[block_index] = block
-            ready += self._keyed_blocks(track)
+            track = tracks[ids[entry]]
+            if block_index < len(track.keys) and not track.unkeyed:
+                # The usual: the block's KV hash came with this step (its tokens were known).
+                key = track.keys[block_index]
+                ready.append(BlockRun([key], block, block_index * bs))
+                if self._claim_pin(track, block_index):
+                    pins.append(key)
+            else:
+                track.unkeyed[block_index] = block
+                ready += self._keyed_blocks(track)
+        if pins:
+            ready.append(PinChange(pins, pin=True))
         return ready
 
     def _enter_fast(self, request_id: str, track: _Track) -> None:

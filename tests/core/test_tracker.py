@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -10,7 +14,7 @@ import pytest
 
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
-from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import (
@@ -380,3 +384,99 @@ def test_batched_steps_mixing_decode_drafts_chunks_and_hits_equal_the_truth(
         np.testing.assert_array_equal(out, rows[: len(keys) * BS])
     assert t.reads > 0  # the hit request's prefix came from the store
     assert paths["vectorized"] > 20 and paths["general"] > 10
+
+
+class _RecordingPublisher:
+    """Takes submissions without a thread: the GIL test below must have no other thread
+    wanting the GIL but its spinner."""
+
+    def __init__(self) -> None:
+        self.submitted: list[list[object]] = []
+
+    def submit(self, runs: list[object]) -> None:
+        self.submitted.append(list(runs))
+
+    def flush(self, keys: object = None, timeout: float = 30.0) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def gil_releases() -> Iterator[list[int]]:
+    """Counts the times the calling thread lets another thread run: a spinner thread counts
+    and yields the GIL in a loop, and with a switch interval of 100 s there are no forced
+    switches, so it runs only while this thread has released the GIL."""
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        time.sleep(0.005)  # the spinner runs now, so it waits for the GIL from here on
+        assert count[0] > 0
+        yield count
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        spinner.join()
+
+
+def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:
+    """A 256-request decode step of a DeepSeek-V3-sized layout, blocks completing and being
+    keyed and published along the way, never releases the GIL: on rank zero a release hands
+    it to the publisher thread, and the step thread may then wait up to the switch interval
+    (5 ms) to get it back (docs/design.md, "The step path keeps the GIL")."""
+    layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=BS)
+    store = ShmStore.create_or_open_writer(shm_root, "gil", layout=layout, capacity_bytes=64 << 20)
+    publisher = _RecordingPublisher()
+    t = RequestTracker(layout, "model", store, publisher, buffer_max_bytes=64 << 20)  # type: ignore[arg-type]
+    n = 256
+    ids = [f"r{i}" for i in range(n)]
+    rng = np.random.default_rng(0)
+    # Prompts of 1..16 tokens, so blocks complete spread over the steps.
+    position = np.array([1 + i % BS for i in range(n)], dtype=np.int32)
+    hashed = dict.fromkeys(ids, 0)
+    for i, rid in enumerate(ids):
+        t.admit(rid, 0)
+        step(t, rid, 0, rng.integers(0, 256, (int(position[i]), 58, 8), dtype=np.uint8))
+    ones = np.ones(n, dtype=np.int32)
+    with gil_releases() as count:
+        releases = 0
+        for _ in range(2 * BS):
+            # The scheduler's facts: hashes of blocks whose tokens are all known.
+            new = {
+                rid: hashes(rid, (int(position[i]) + 1) // BS)[hashed[rid] :]
+                for i, rid in enumerate(ids)
+                if (int(position[i]) + 1) // BS > hashed[rid]
+            }
+            for rid, block_hashes in new.items():
+                hashed[rid] += len(block_hashes)
+            rows = rng.integers(0, 256, (n, 58, 8), dtype=np.uint8)
+            batch = StepBatch(
+                ids,
+                position.copy(),
+                ones,
+                np.arange(n, dtype=np.int32),
+                np.arange(1, n + 1, dtype=np.int32),
+                ones > 0,
+                rows,
+            )
+            before = count[0]
+            t.add_block_hashes_of(new)
+            t.step_started(ids)
+            result = t.step_finished(batch)
+            releases += count[0] - before
+            assert len(result.decode_ids) == n and not result.entries
+            position += 1
+    assert releases == 0
+    published = sum(
+        len(run.keys) for runs in publisher.submitted for run in runs if isinstance(run, BlockRun)
+    )
+    assert published >= 2 * n  # every request completed two blocks in the timed steps
+    store.close()

@@ -418,7 +418,9 @@ class RequestTracker:
     ) -> list[BlockRun | PinChange]:
         """Steady-decode entries: one row each, written and emitted for all of them at once."""
         slots = slots[entries]
-        tokens = step.token_starts[entries]
+        # int64 like the buffer's arrays: writing MRV2's int32 positions into them would cast
+        # in a loop that releases the GIL (see buffer._as_items).
+        tokens = step.token_starts[entries].astype(np.int64)
         rows = gather_rows(step.rows, step.row_starts[entries])  # a copy: does not pin the step
         completed = self._buffer.append_one_each(slots, tokens, rows)
         self._ready_at[slots] = tokens + 1

@@ -82,8 +82,8 @@ logger = logging.getLogger(__name__)
 
 _READ_ATTEMPTS = 4
 _OPEN_ATTEMPTS = 5
-#: numpy keeps the GIL in a copy loop of at most this many items (its NPY_BEGIN_THREADS
-#: threshold); ``np.take`` always releases it.
+#: numpy keeps the GIL in fancy indexing of at most this many items and releases it above
+#: (measured, numpy 2.3: 500 slots keep it, 501 release it); ``np.take`` always releases it.
 _GIL_KEEPING_ITEMS = 500
 
 

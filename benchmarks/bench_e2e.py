@@ -67,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ from server_processes import (
     server_plans,
     tree_memory,
 )
+from time_slices import TimeSlices
 from vllm_artifact_testing.server import RunningServer, vllm_server
 from vllm_artifact_testing.tiny_models import ensure_tiny_model, training_corpus
 
@@ -135,8 +137,13 @@ QUICK = Sizes(
 class Batch:
     """One workload batch on one server."""
 
-    elapsed: float = 0.0
+    elapsed: float = 0.0  # seconds the server worked on the batch (wall, or its turns)
     latencies: list[float] = field(default_factory=list)
+    #: perf_counter times: the batch's first send and last reply, and each request's
+    started: float = 0.0
+    ended: float = 0.0
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    turns: int = 0  # with --turn: the turns its server got
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, summed
@@ -193,19 +200,23 @@ def new_client() -> httpx.AsyncClient:
 
 async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any]
-) -> tuple[float, dict[str, Any]]:
+) -> tuple[tuple[float, float], dict[str, Any]]:
+    """The reply's JSON and the request's (sent, answered) ``perf_counter`` times."""
     t0 = time.perf_counter()
     reply = await client.post(url, json=body)
-    latency = time.perf_counter() - t0
+    t1 = time.perf_counter()
     if reply.status_code != 200:
         raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text[:2000]}")
     result: dict[str, Any] = reply.json()
-    return latency, result
+    return (t0, t1), result
 
 
-def account(batch: Batch, request: object, latency: float, result: dict[str, Any]) -> None:
+def account(
+    batch: Batch, request: object, span: tuple[float, float], result: dict[str, Any]
+) -> None:
     usage = result["usage"]
-    batch.latencies.append(latency)
+    batch.spans.append(span)
+    batch.latencies.append(span[1] - span[0])
     batch.output_tokens += usage["completion_tokens"]
     batch.prompt_tokens += usage["prompt_tokens"]
     batch.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -229,9 +240,10 @@ async def run_completions(
             }
             account(batch, index, *await post_json(client, url, body))
 
-        t0 = time.perf_counter()
+        batch.started = time.perf_counter()
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        batch.elapsed = time.perf_counter() - t0
+        batch.ended = time.perf_counter()
+        batch.elapsed = batch.ended - batch.started
     return batch
 
 
@@ -254,14 +266,15 @@ async def run_chat(
                     "temperature": 0,
                     "ignore_eos": True,
                 }
-                latency, result = await post_json(client, url, body)
-                account(batch, (index, turn), latency, result)
+                span, result = await post_json(client, url, body)
+                account(batch, (index, turn), span, result)
                 reply = result["choices"][0]["message"]["content"] or ""
                 messages.append({"role": "assistant", "content": reply})
 
-        t0 = time.perf_counter()
+        batch.started = time.perf_counter()
         await asyncio.gather(*(conversation(i, t) for i, t in enumerate(conversations)))
-        batch.elapsed = time.perf_counter() - t0
+        batch.ended = time.perf_counter()
+        batch.elapsed = batch.ended - batch.started
     return batch
 
 
@@ -319,7 +332,7 @@ def cpu_rows(batches: list[Batch]) -> dict[str, dict[str, float]]:
 
     rows = {role: per_1000_tokens(batches, of_role(role)) for role in roles}
     rows["server total"] = per_1000_tokens(batches, lambda b: sum(b.cpu["roles"].values()))
-    rows["idle servers"] = per_1000_tokens(batches, lambda b: b.cpu["other_servers"])
+    rows["other servers"] = per_1000_tokens(batches, lambda b: b.cpu["other_servers"])
     rows["client"] = per_1000_tokens(batches, lambda b: b.cpu["client"])
     rows["outside"] = per_1000_tokens(batches, lambda b: b.cpu["outside"])
     rows["machine busy"] = per_1000_tokens(batches, lambda b: b.cpu["machine_busy"])
@@ -527,11 +540,60 @@ def timed_batch(
     batch = workload.run(server, round_index)
     sample1 = cpu_sample(pids)
     time.sleep(0.5)  # let the last iteration's stats reach /metrics
-    after = engine_counters(server)
+    add_engine_counters(batch, before, engine_counters(server))
+    return batch, sample0, sample1
+
+
+def add_engine_counters(batch: Batch, before: dict[str, float], after: dict[str, float]) -> None:
     batch.hits, batch.queries = after["hits"] - before["hits"], after["queries"] - before["queries"]
     batch.steps = after["steps"] - before["steps"]
     batch.step_tokens = after["step_tokens"] - before["step_tokens"]
-    return batch, sample0, sample1
+
+
+def sliced_batches(
+    workload: Workload,
+    servers: dict[str, RunningServer],
+    order: Sequence[str],
+    round_index: int,
+    pids: dict[str, int],
+    turn_s: float,
+) -> tuple[dict[str, Batch], CpuSample, CpuSample]:
+    """Every configuration's batch in flight at once, the servers running in turns of
+    ``turn_s`` seconds (``time_slices``): durations and latencies count only the time each
+    server ran. Same cold prefix caches and counters as :func:`timed_batch`; the CPU samples
+    span all three batches (each server's own CPU is still its batch's alone)."""
+    for name in order:
+        reset_prefix_cache(servers[name])
+    before = {name: engine_counters(servers[name]) for name in order}
+    done: dict[str, Batch] = {}
+    errors: list[BaseException] = []
+    sample0 = cpu_sample(pids)
+    with TimeSlices({name: servers[name].process.pid for name in order}, turn_s) as slices:
+
+        def run(name: str) -> None:
+            try:
+                done[name] = workload.run(servers[name], round_index)
+            except BaseException as error:  # re-raised below, on the main thread
+                errors.append(error)
+            finally:
+                slices.finish(name)
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in order]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    sample1 = cpu_sample(pids)
+    if errors:
+        raise errors[0]
+    for name, batch in done.items():
+        batch.elapsed = slices.active(name, batch.started, batch.ended)
+        batch.latencies = [slices.active(name, a, b) for a, b in batch.spans]
+        batch.turns = slices.turns(name)
+    time.sleep(0.5)  # let the last iteration's stats reach /metrics
+    for name in order:
+        add_engine_counters(done[name], before[name], engine_counters(servers[name]))
+    return done, sample0, sample1
 
 
 def check_r3(config: str, batch: Batch, shape_per_token: tuple[int, int]) -> list[str]:
@@ -622,16 +684,24 @@ def run_round(
     batches: dict[tuple[str, str], list[Batch]],
     same: dict[str, list[int]],
     shape_per_token: tuple[int, int],
+    turn_s: float,
 ) -> list[str]:
-    """Round ``r``: every workload once per configuration, the order rotated by ``r``;
-    returns the problems found."""
+    """Round ``r``: every workload once per configuration, the order rotated by ``r`` (one
+    batch after the other, or with ``turn_s`` all at once in turns); returns the problems
+    found."""
     problems: list[str] = []
     order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
     for workload in chosen:
         line = [f"  round {r + 1}/{rounds} {workload.name:<7}"]
+        if turn_s:
+            sliced, sample0, sample1 = sliced_batches(workload, servers, order, r, pids, turn_s)
+            labels.refresh(sample1)
         for name in order:
-            batch, sample0, sample1 = timed_batch(workload, servers[name], r, pids)
-            labels.refresh(sample1)  # new threads: named after the batch
+            if turn_s:
+                batch = sliced[name]
+            else:
+                batch, sample0, sample1 = timed_batch(workload, servers[name], r, pids)
+                labels.refresh(sample1)  # new threads: named after the batch
             batch.cpu = cpu_delta(name, sample0, sample1, labels)
             problems += check_r3(name, batch, shape_per_token)
             batches[(workload.name, name)].append(batch)
@@ -666,8 +736,18 @@ def main() -> None:
         default=1,
         help="split the rounds over this many sets of freshly started servers",
     )
+    ap.add_argument(
+        "--turn",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="run the three batches of a round at once, the servers taking turns of this many "
+        "seconds (the others stopped); 0 = one batch after the other",
+    )
     ap.add_argument("--json", type=Path, help="write all measurements here (for plotting)")
     args = ap.parse_args()
+    if args.turn < 0:
+        ap.error("--turn must be 0 (one batch after the other) or a positive number of seconds")
     sizes = QUICK if args.quick else Sizes()
     if args.decode_requests:
         sizes = dataclasses.replace(sizes, decode_requests=args.decode_requests)
@@ -691,6 +771,11 @@ def main() -> None:
         f"load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}; "
         f"model {args.model}; vllm_artifact from {code_version()}"
     )
+    if args.turn:
+        print(
+            f"  batches of a round run at once, the servers taking turns of {args.turn:g} s; "
+            "durations and latencies count each server's own turns"
+        )
     store_root = Path(tempfile.mkdtemp(prefix="vllm-artifact-bench-e2e-", dir="/dev/shm"))
     store_root.chmod(0o700)
     log_dir = Path(tempfile.mkdtemp(prefix="vllm-artifact-bench-e2e-logs-"))
@@ -722,7 +807,16 @@ def main() -> None:
                 try:
                     for r in block:
                         problems += run_round(
-                            r, rounds, chosen, servers, pids, labels, batches, same, shape_per_token
+                            r,
+                            rounds,
+                            chosen,
+                            servers,
+                            pids,
+                            labels,
+                            batches,
+                            same,
+                            shape_per_token,
+                            args.turn,
                         )
                         completed += 1
                 except (OSError, RuntimeError, httpx.HTTPError, requests.RequestException) as error:
@@ -907,10 +1001,17 @@ def report(
     done = [b for w in chosen for c in CONFIGS for b in batches[(w.name, c)]]
     idle_cpu = sum(b.cpu["other_servers"] for b in done)
     busy_cpu = sum(sum(b.cpu["roles"].values()) for b in done)
-    print(
-        f"\nCPU used by the idle servers while another ran a batch: {idle_cpu:.1f} s "
-        f"(vs {busy_cpu:.1f} s by the busy one); load average at the end {load_end[0]:.2f}"
-    )
+    turns = [b.turns for b in done if b.turns]
+    if turns:  # --turn: the "other servers" ran their own batches in their turns
+        print(
+            f"\nturns per batch {min(turns)}-{max(turns)} (batches at once, one server running "
+            f"at a time); load average at the end {load_end[0]:.2f}"
+        )
+    else:
+        print(
+            f"\nCPU used by the idle servers while another ran a batch: {idle_cpu:.1f} s "
+            f"(vs {busy_cpu:.1f} s by the busy one); load average at the end {load_end[0]:.2f}"
+        )
     print("\nsummary")
     for name, ok in verdicts:
         print(f"  {verdict(ok)}  {name}")
@@ -954,6 +1055,7 @@ def dump_json(
         },
         "start_order": args.start_order.split(","),
         "instances": args.instances,
+        "turn_s": args.turn,
         "store_bytes": {"apparent": store[0], "allocated": store[1]},
         "problems": sorted(set(problems)),
         "workloads": {},
@@ -981,6 +1083,7 @@ def dump_json(
                         "cpu": b.cpu,
                         "steps": b.steps,
                         "step_tokens": b.step_tokens,
+                        "turns": b.turns,
                     }
                     for b in batches[(workload.name, c)]
                 ]

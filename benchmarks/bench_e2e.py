@@ -8,9 +8,13 @@ settings of ``vllm_artifact_testing.engine_env``) stay up side by side:
   excluded through ``VLLM_PLUGINS`` (only the CPU support plugin loads);
 * ``ours``: ``--enable-routed-experts`` with a private store root under /dev/shm.
 
-Every round runs each workload once per configuration, one batch at a time (never two servers
-at once: this machine has 2 cores), rotating the configuration order each round so that drift
-of the machine hits all three alike. The prefix cache is reset before every batch (vLLM's
+Every round runs each workload once per configuration, rotating the configuration order each
+round. By default (``--turn 1``) the three batches of a workload run at once while the servers
+take turns of 1 s, the other two stopped (``time_slices.TimeSlices``: never two servers on the
+CPUs at once, and all three meet the same minutes of this drifting machine); a batch's
+duration and latencies count only its server's turns. ``--turn 0`` runs one batch after the
+other instead (the method of the runs before 2026-12-01 09:45 UTC in docs/benchmarks.md; its
+per-round ratios scattered 2-3x more). The prefix cache is reset before every batch (vLLM's
 dev-mode endpoint) and every round has its own prompts.
 
 Workloads:
@@ -46,9 +50,10 @@ here: ±5% between runs in prefill, with nothing configured differently) does no
 the paired rounds. ``--instances K`` splits the rounds into K blocks, each with freshly
 started servers in a rotated start order (``--start-order`` sets the first block's).
 
-Run: ``.venv/bin/python benchmarks/bench_e2e.py [--rounds N] [--instances K] [--decode-requests N]
-[--quick] [--json FILE]`` (15-25 minutes with the defaults on 2 shared cores, most of it the decode
-workload; ``--decode-requests 32`` adds about a third; ``--quick`` takes about 4).
+Run: ``.venv/bin/python benchmarks/bench_e2e.py [--rounds N] [--instances K] [--turn S]
+[--decode-requests N] [--quick] [--json FILE]`` (15-25 minutes with the defaults on 2 shared
+cores, most of it the decode workload; ``--decode-requests 32`` adds about a third; ``--quick``
+takes about 4).
 """
 
 from __future__ import annotations
@@ -739,10 +744,10 @@ def main() -> None:
     ap.add_argument(
         "--turn",
         type=float,
-        default=0.0,
+        default=1.0,
         metavar="SECONDS",
-        help="run the three batches of a round at once, the servers taking turns of this many "
-        "seconds (the others stopped); 0 = one batch after the other",
+        help="run the three batches of a workload at once, the servers taking turns of this "
+        "many seconds (the others stopped; default 1); 0 = one batch after the other",
     )
     ap.add_argument("--json", type=Path, help="write all measurements here (for plotting)")
     args = ap.parse_args()

@@ -1,16 +1,19 @@
 """Where each process of a server spends a decode batch: py-spy profiles of the API server,
-the engine core and the worker, for R3 off, vLLM's own R3 and ours, one server at a time.
+the engine core and the worker, for R3 off, vLLM's own R3 and ours, one server at a time
+(``--workload prefill``: prefill batches instead).
 
 For each configuration: start ``vllm serve`` on the tiny model (the same flags and plugin
 selection as ``bench_e2e.py``), run a warm-up batch, then record the three processes with py-spy
-(``--nonblocking``, so the processes are not paused per sample) for exactly the duration of one
-batch of 16 concurrent requests (64-token prompts, 128 output tokens), stopping py-spy with
-SIGINT when the last response arrives. Printed per process role: samples per 1000 output tokens
+(``--nonblocking``, so the processes are not paused per sample) for exactly the duration of
+``--batches`` batches (decode: 16 concurrent requests, 64-token prompts, 128 output tokens;
+prefill: 32 concurrent 1000-token prompts, 4 output tokens), stopping py-spy with SIGINT when
+the last response arrives. Printed per process role: samples per 1000 output tokens
 converted to seconds, split into "waiting" (the shm message queue's spin, ZMQ/asyncio polls)
 and the rest; then the frames (function and file, inclusive) whose seconds per 1000 tokens
 differ most between vLLM's own and ours, and every vllm-artifact frame.
 
-Run: ``.venv/bin/python benchmarks/profile_roles.py [--configs off,vllm,ours] [--rate 50]``
+Run: ``.venv/bin/python benchmarks/profile_roles.py [--configs off,vllm,ours] [--rate 50]
+[--workload decode|prefill] [--batches N]``
 (about 3 minutes per configuration). Needs py-spy (not a dependency).
 """
 
@@ -51,16 +54,26 @@ WAIT_FRAMES = (
 )
 
 
-def decode_batch(server: RunningServer, model: Path, seed: int, n: int = 16) -> tuple[float, int]:
-    """n concurrent requests of 64 random tokens, 128 output tokens; (seconds, output tokens)."""
+def run_batch(
+    server: RunningServer, model: Path, seed: int, workload: str = "decode", n: int | None = None
+) -> tuple[float, int]:
+    """One batch of ``bench_e2e``'s shapes; (seconds, output tokens). ``decode``: n (16)
+    concurrent requests of 64 random tokens, 128 output tokens; ``prefill``: n (32) concurrent
+    1000-token prompts (a 256-token prefix shared by the batch), 4 output tokens."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(n)]
+    if workload == "decode":
+        prompts = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(n or 16)]
+        max_tokens = 128
+    else:
+        shared = [rng.randrange(3, 512) for _ in range(256)]
+        prompts = [shared + [rng.randrange(3, 512) for _ in range(744)] for _ in range(n or 32)]
+        max_tokens = 4
 
     def one(prompt: list[int]) -> int:
         body: dict[str, Any] = {
             "model": str(model),
             "prompt": prompt,
-            "max_tokens": 128,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
         }
@@ -69,7 +82,7 @@ def decode_batch(server: RunningServer, model: Path, seed: int, n: int = 16) -> 
         return int(reply.json()["usage"]["completion_tokens"])
 
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         tokens = sum(pool.map(one, prompts))
     return time.monotonic() - started, tokens
 
@@ -110,12 +123,19 @@ def analyse(raw: Path, rate: int, tokens: int) -> dict[str, Any]:
 
 
 def profile_config(
-    config: str, model: Path, store_root: Path, out: Path, rate: int, py_spy: str
+    config: str,
+    model: Path,
+    store_root: Path,
+    out: Path,
+    rate: int,
+    py_spy: str,
+    workload: str = "decode",
+    batches: int = 1,
 ) -> dict[str, Any]:
     args, env = server_plans(store_root)[config]
     with environ(VLLM_SERVER_DEV_MODE="1", **env), vllm_server(model, args) as server:
-        decode_batch(server, model, seed=-1, n=2)  # warm-up
-        decode_batch(server, model, seed=-2)
+        run_batch(server, model, seed=-1, workload=workload, n=2)  # warm-up
+        run_batch(server, model, seed=-2, workload=workload)
         requests.post(server.base_url + "/reset_prefix_cache", timeout=60)
         pids = role_pids(server.process.pid)
         recorders = {
@@ -141,7 +161,12 @@ def profile_config(
         }
         time.sleep(2)  # py-spy attached
         cpu0 = {r: psutil.Process(p).cpu_times() for r, p in pids.items()}
-        seconds, tokens = decode_batch(server, model, seed=0)
+        seconds = 0.0
+        tokens = 0
+        for b in range(batches):  # new prompts each batch (prefill: no hits but the prefix)
+            took, made = run_batch(server, model, seed=b, workload=workload)
+            seconds += took
+            tokens += made
         cpu1 = {r: psutil.Process(p).cpu_times() for r, p in pids.items()}
         for recorder in recorders.values():
             recorder.send_signal(signal.SIGINT)
@@ -204,6 +229,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="off,vllm,ours")
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
+    parser.add_argument("--workload", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--batches", type=int, default=1, help="batches recorded per config")
     parser.add_argument("--json", type=Path, help="write the analysis here")
     args = parser.parse_args()
     py_spy = py_spy_path()
@@ -216,7 +243,9 @@ def main() -> int:
     results = {}
     try:
         for config in args.configs.split(","):
-            results[config] = profile_config(config, model, store_root, out, args.rate, py_spy)
+            results[config] = profile_config(
+                config, model, store_root, out, args.rate, py_spy, args.workload, args.batches
+            )
     finally:
         shutil.rmtree(store_root, ignore_errors=True)
     report(results)

@@ -583,7 +583,7 @@ def sliced_batches(
             finally:
                 slices.finish(name)
 
-        threads = [threading.Thread(target=run, args=(name,)) for name in order]
+        threads = [threading.Thread(target=run, args=(name,), daemon=True) for name in order]
         for thread in threads:
             thread.start()
         for thread in threads:

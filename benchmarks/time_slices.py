@@ -48,8 +48,12 @@ class TimeSlices:
         self._thread = threading.Thread(target=self._rotate, name="time-slices", daemon=True)
 
     def __enter__(self) -> TimeSlices:
-        for pgid in self._groups.values():
-            os.killpg(pgid, signal.SIGSTOP)
+        try:
+            for pgid in self._groups.values():
+                os.killpg(pgid, signal.SIGSTOP)
+        except BaseException:  # never leave a server stopped
+            self._continue_all()
+            raise
         self._thread.start()
         return self
 
@@ -58,6 +62,9 @@ class TimeSlices:
             self._finished.update(self._groups)
             self._changed.notify_all()
         self._thread.join()
+        self._continue_all()
+
+    def _continue_all(self) -> None:
         for pgid in self._groups.values():
             # A server that is gone has its batch say why.
             with contextlib.suppress(ProcessLookupError):

@@ -137,6 +137,16 @@ QUICK = Sizes(
     chat_tokens=8,
 )
 
+#: A few short requests of each shape, to pay the one-off costs before anything is timed.
+WARM_UP = Sizes(
+    decode_requests=2,
+    decode_tokens=4,
+    prefill_requests=2,
+    chat_conversations=1,
+    chat_turns=2,
+    chat_tokens=4,
+)
+
 
 @dataclass
 class Batch:
@@ -639,16 +649,8 @@ def same_r3(a: Batch, b: Batch) -> tuple[int, int]:
 
 def warm_up(servers: dict[str, RunningServer], model: str) -> None:
     """First requests of each shape pay one-off costs; keep them out of the timings."""
-    tiny = Sizes(
-        decode_requests=2,
-        decode_tokens=4,
-        prefill_requests=2,
-        chat_conversations=1,
-        chat_turns=2,
-        chat_tokens=4,
-    )
     for server in servers.values():
-        for workload in workloads(model, tiny):
+        for workload in workloads(model, WARM_UP):
             workload.run(server, -1)
         reset_prefix_cache(server)
 

@@ -1,19 +1,19 @@
 """Where each process of a server spends a decode batch: py-spy profiles of the API server,
 the engine core and the worker, for R3 off, vLLM's own R3 and ours, one server at a time
-(``--workload prefill``: prefill batches instead).
+(or prefill or chat batches).
 
 For each configuration: start ``vllm serve`` on the tiny model (the same flags and plugin
 selection as ``bench_e2e.py``), run a warm-up batch, then record the three processes with py-spy
 (``--nonblocking``, so the processes are not paused per sample) for exactly the duration of
-``--batches`` batches (decode: 16 concurrent requests, 64-token prompts, 128 output tokens;
-prefill: 32 concurrent 1000-token prompts, 4 output tokens), stopping py-spy with SIGINT when
-the last response arrives. Printed per process role: samples per 1000 output tokens
+``--batches`` batches of one ``bench_e2e`` workload (``--workload``: decode, the default, 16
+concurrent requests of 64-token prompts and 128 output tokens; prefill; chat), stopping py-spy
+with SIGINT when the last response arrives. Printed per process role: samples per 1000 output tokens
 converted to seconds, split into "waiting" (the shm message queue's spin, ZMQ/asyncio polls)
 and the rest; then the frames (function and file, inclusive) whose seconds per 1000 tokens
 differ most between vLLM's own and ours, and every vllm-artifact frame.
 
 Run: ``.venv/bin/python benchmarks/profile_roles.py [--configs off,vllm,ours] [--rate 50]
-[--workload decode|prefill] [--batches N]``
+[--workload decode|prefill|chat] [--batches N]``
 (about 3 minutes per configuration). Needs py-spy (not a dependency).
 """
 
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import json
-import random
 import re
 import shutil
 import signal
@@ -36,6 +34,7 @@ from typing import Any
 
 import psutil
 import requests
+from bench_e2e import WARM_UP, Sizes, workloads
 from server_processes import ROLES, environ, py_spy_path, role_pids, server_plans
 from vllm_artifact_testing.server import RunningServer, vllm_server
 from vllm_artifact_testing.tiny_models import ensure_tiny_model
@@ -55,36 +54,14 @@ WAIT_FRAMES = (
 
 
 def run_batch(
-    server: RunningServer, model: Path, seed: int, workload: str = "decode", n: int | None = None
+    server: RunningServer, model: Path, seed: int, workload: str = "decode", tiny: bool = False
 ) -> tuple[float, int]:
-    """One batch of ``bench_e2e``'s shapes; (seconds, output tokens). ``decode``: n (16)
-    concurrent requests of 64 random tokens, 128 output tokens; ``prefill``: n (32) concurrent
-    1000-token prompts (a 256-token prefix shared by the batch), 4 output tokens."""
-    rng = random.Random(seed)
-    if workload == "decode":
-        prompts = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(n or 16)]
-        max_tokens = 128
-    else:
-        shared = [rng.randrange(3, 512) for _ in range(256)]
-        prompts = [shared + [rng.randrange(3, 512) for _ in range(744)] for _ in range(n or 32)]
-        max_tokens = 4
-
-    def one(prompt: list[int]) -> int:
-        body: dict[str, Any] = {
-            "model": str(model),
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        reply = requests.post(server.base_url + "/v1/completions", json=body, timeout=900)
-        reply.raise_for_status()
-        return int(reply.json()["usage"]["completion_tokens"])
-
-    started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        tokens = sum(pool.map(one, prompts))
-    return time.monotonic() - started, tokens
+    """One batch of ``bench_e2e``'s workload of that name (its prompts for round ``seed``; a
+    few short requests with ``tiny``, for warming up); (seconds, output tokens)."""
+    sizes = WARM_UP if tiny else Sizes()
+    (chosen,) = (w for w in workloads(str(model), sizes) if w.name == workload)
+    batch = chosen.run(server, seed)
+    return batch.elapsed, batch.output_tokens
 
 
 def frame_key(frame: str) -> str:
@@ -134,7 +111,7 @@ def profile_config(
 ) -> dict[str, Any]:
     args, env = server_plans(store_root)[config]
     with environ(VLLM_SERVER_DEV_MODE="1", **env), vllm_server(model, args) as server:
-        run_batch(server, model, seed=-1, workload=workload, n=2)  # warm-up
+        run_batch(server, model, seed=-1, workload=workload, tiny=True)  # warm-up
         run_batch(server, model, seed=-2, workload=workload)
         requests.post(server.base_url + "/reset_prefix_cache", timeout=60)
         pids = role_pids(server.process.pid)
@@ -229,7 +206,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="off,vllm,ours")
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
-    parser.add_argument("--workload", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--workload", choices=("decode", "prefill", "chat"), default="decode")
     parser.add_argument("--batches", type=int, default=1, help="batches recorded per config")
     parser.add_argument("--json", type=Path, help="write the analysis here")
     args = parser.parse_args()

@@ -93,6 +93,38 @@ def test_put_blocks_fast_path_with_tail(
             store.put_blocks(keys, data, 5)
 
 
+@pytest.mark.parametrize("path", ["ShmStore.put_runs", "ObjectStore.put_runs"])
+def test_put_runs_publish_every_block_of_every_run(
+    shm_root: str, layout: R3Layout, namespace: Namespace, path: str
+) -> None:
+    """Several requests' runs in one batch (the fast path and the contract's default, which
+    goes through ``put``): each block under its key and token range, tails included; a key
+    repeated with the same content is one object; a bad run publishes nothing."""
+    put_runs = ShmStore.put_runs if path == "ShmStore.put_runs" else ObjectStore.put_runs
+    with open_writer(shm_root, layout) as store:
+        a = [key_for(namespace, i) for i in range(3)]
+        b = [key_for(namespace, 10 + i) for i in range(2)]
+        rows_a = rows_for(layout, 1, 40)  # 2 full blocks + an 8-token tail, from token 32
+        rows_b = rows_for(layout, 2, 32)[:, :, ::-1]  # not C-contiguous
+        rows_a2 = rows_a[16:32]  # block a[1] again, same content, in another run
+        put_runs(store, [(a, rows_a, 32), (b, rows_b, 0), ([a[1]], rows_a2, 48), ([], rows_a, 0)])
+        out = layout.empty(40)
+        store.read_into(a, out, token_start=32)
+        np.testing.assert_array_equal(out, rows_a)
+        np.testing.assert_array_equal(np.concatenate(store.get(b)), rows_b)
+        env = store.envelope_of(a[2])
+        assert env is not None and (int(env["token_start"]), int(env["n_tokens"])) == (64, 8)
+        assert (store.stats().objects, store.stats().pinned_objects) == (5, 5)
+        c = [key_for(namespace, 20 + i) for i in range(2)]
+        with pytest.raises(SchemaError, match=r"boundary|multiple of 16"):
+            put_runs(store, [(c, rows_for(layout, 3, 32), 0), (b, rows_b, 5)])
+        assert store.exists(c) == [False, False]
+        other = rows_a.copy()
+        other[20, 0, 0] ^= 1
+        with pytest.raises(KeyCollisionError):
+            put_runs(store, [(c[:1], rows_for(layout, 3), 0), (a, other, 32)])
+
+
 def test_uint16_layout_round_trip(shm_root: str, namespace: Namespace) -> None:
     wide = R3Layout(num_layers=4, top_k=4, num_experts=300, block_size=32, dense_layers=(1,))
     with open_writer(shm_root, wide) as store:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_artifact.core.keys import ObjectKey
-from vllm_artifact.core.store.contract import ObjectStore, PutItem
+from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, KeyCollisionError, StoreError
 
 __all__ = ["BackgroundPublisher", "BlockRun", "PinChange"]
@@ -171,14 +171,8 @@ class BackgroundPublisher:
             if len(runs) == 1:
                 run = runs[0]
                 self._store.put_blocks(run.keys, run.rows, run.token_start, pin=pin)
-                return
-            bs = self._store.layout.block_size
-            items = [
-                PutItem(key, run.rows[i * bs : (i + 1) * bs], run.token_start + i * bs)
-                for run in runs
-                for i, key in enumerate(run.keys)
-            ]
-            self._store.put(items, pin=pin)
+            else:
+                self._store.put_runs(runs, pin=pin)
         except KeyCollisionError:
             for run in runs:
                 self._publish_one_by_one(run)

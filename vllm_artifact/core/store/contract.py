@@ -98,6 +98,28 @@ class ObjectStore(ABC):
             pin=pin,
         )
 
+    def put_runs(
+        self,
+        runs: Sequence[tuple[Sequence[ObjectKey], np.ndarray, int]],
+        *,
+        pin: bool = True,
+    ) -> None:
+        """Publish several :meth:`put_blocks` runs ``(keys, rows, token_start)`` as one batch
+        (the usual step of the publisher: one run per request).
+
+        Same semantics as :meth:`put` of all their blocks; backends override it with a
+        faster path.
+        """
+        bs = self.layout.block_size
+        self.put(
+            [
+                PutItem(key, rows[i * bs : (i + 1) * bs], token_start + i * bs)
+                for keys, rows, token_start in runs
+                for i, key in enumerate(keys)
+            ],
+            pin=pin,
+        )
+
     @abstractmethod
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is published (envelope checked, payload not hashed)."""

@@ -646,12 +646,8 @@ class ShmStore(ObjectStore):
             return
         lay = self._layout
         bs = lay.block_size
-        rows = lay.check_rows(rows)
+        rows = self._check_run(keys, rows, token_start)
         n = len(keys)
-        if not (n - 1) * bs < len(rows) <= n * bs:
-            raise SchemaError(f"{len(rows)} rows do not fill {n} blocks of {bs} tokens")
-        if type(token_start) is not int or token_start < 0 or token_start % bs:
-            raise SchemaError(f"token_start={token_start!r} is not a block boundary ({bs})")
         n_tokens = np.full(n, bs, dtype=np.int64)
         n_tokens[-1] = len(rows) - (n - 1) * bs
         batch = _Batch(
@@ -666,6 +662,56 @@ class ShmStore(ObjectStore):
         with self._mutex:
             self._writer()
             self._put_batch(batch, pin)
+
+    def put_runs(
+        self,
+        runs: Sequence[tuple[Sequence[ObjectKey], np.ndarray, int]],
+        *,
+        pin: bool = True,
+    ) -> None:
+        """Fast path for several runs: each run's rows are checked once (not per block, as
+        :meth:`put` would), and all blocks go through one lookup and one index update."""
+        bs = self._layout.block_size
+        step = bs * self._layout.row_nbytes
+        keys: list[ObjectKey] = []
+        srcs: list[memoryview] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        for run_keys, rows, token_start in runs:
+            if not run_keys:
+                continue
+            rows = self._check_run(run_keys, rows, token_start)
+            n = len(run_keys)
+            whole = rows.data.cast("B")
+            keys.extend(run_keys)
+            srcs.extend(whole[a : a + step] for a in range(0, n * step, step))
+            starts.extend(range(token_start, token_start + n * bs, bs))
+            counts.extend([bs] * (n - 1))
+            counts.append(len(rows) - (n - 1) * bs)
+        if not keys:
+            return
+        batch = _Batch(
+            keys, np.array(starts, dtype=np.uint64), np.array(counts, dtype=np.int64), srcs=srcs
+        )
+        if len(set(keys)) != len(keys):
+            batch = batch.deduplicated()
+        with self._mutex:
+            self._writer()
+            self._put_batch(batch, pin)
+
+    def _check_run(
+        self, keys: Sequence[ObjectKey], rows: np.ndarray, token_start: int
+    ) -> np.ndarray:
+        """The rows of a run of ``len(keys)`` consecutive blocks from ``token_start``, checked
+        against the layout (C-contiguous, so that their bytes can be sliced per block)."""
+        bs = self._layout.block_size
+        rows = self._layout.check_rows(rows)
+        n = len(keys)
+        if not (n - 1) * bs < len(rows) <= n * bs:
+            raise SchemaError(f"{len(rows)} rows do not fill {n} blocks of {bs} tokens")
+        if type(token_start) is not int or token_start < 0 or token_start % bs:
+            raise SchemaError(f"token_start={token_start!r} is not a block boundary ({bs})")
+        return rows
 
     def _put_batch(self, batch: _Batch, pin: bool) -> None:
         started = time.perf_counter()

@@ -963,11 +963,12 @@ def report(
             x = r[ref]
             ok_t = x["paired"] >= target
             ok_l = x["latency"] <= 1 / target
-            resolved = (
-                "resolved"
-                if not x["paired_ci_low"] <= target <= x["paired_ci_high"]
-                else "not resolved: CI contains target"
-            )
+            if np.isnan(x["paired_ci_low"]):
+                resolved = "not resolved: one round has no CI"
+            elif not x["paired_ci_low"] <= target <= x["paired_ci_high"]:
+                resolved = "resolved"
+            else:
+                resolved = "not resolved: CI contains target"
             print(
                 f"  ours/{ref:<4} tok/s: paired geo-mean {x['paired']:5.3f} (95% CI "
                 f"{x['paired_ci_low']:.3f}-{x['paired_ci_high']:.3f}, {resolved}; rounds "

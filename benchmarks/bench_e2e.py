@@ -1007,8 +1007,6 @@ def report(
         f"{store[1] / 2**20:.1f} MiB allocated in /dev/shm"
     )
     done = [b for w in chosen for c in CONFIGS for b in batches[(w.name, c)]]
-    idle_cpu = sum(b.cpu["other_servers"] for b in done)
-    busy_cpu = sum(sum(b.cpu["roles"].values()) for b in done)
     turns = [b.turns for b in done if b.turns]
     if turns:  # --turn: the "other servers" ran their own batches in their turns
         print(
@@ -1016,6 +1014,8 @@ def report(
             f"at a time); load average at the end {load_end[0]:.2f}"
         )
     else:
+        idle_cpu = sum(b.cpu["other_servers"] for b in done)
+        busy_cpu = sum(sum(b.cpu["roles"].values()) for b in done)
         print(
             f"\nCPU used by the idle servers while another ran a batch: {idle_cpu:.1f} s "
             f"(vs {busy_cpu:.1f} s by the busy one); load average at the end {load_end[0]:.2f}"

@@ -89,14 +89,7 @@ class ObjectStore(ABC):
 
         Same semantics as :meth:`put`; backends override it with a faster path.
         """
-        bs = self.layout.block_size
-        self.put(
-            [
-                PutItem(key, rows[i * bs : (i + 1) * bs], token_start + i * bs)
-                for i, key in enumerate(keys)
-            ],
-            pin=pin,
-        )
+        self.put_runs([(keys, rows, token_start)], pin=pin)
 
     def put_runs(
         self,

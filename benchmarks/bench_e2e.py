@@ -82,6 +82,7 @@ from typing import Any
 import httpx
 import numpy as np
 import requests
+from e2e_stats import TARGET_VS_OFF, TARGET_VS_VLLM, paired_ratio, resolution
 from server_processes import (
     CONFIGS,
     LABELS,
@@ -101,9 +102,6 @@ from vllm_artifact_testing.tiny_models import ensure_tiny_model, training_corpus
 
 from vllm_artifact.client import decode_routed_experts
 
-#: ours/off must keep this share of throughput; ours/vLLM at least 1.
-TARGET_VS_OFF = 0.97
-TARGET_VS_VLLM = 1.00
 #: Special tokens of the tiny model's tokenizer are 0..2; prompts use ordinary ids only.
 TOKEN_LOW, TOKEN_HIGH = 3, 512
 #: Our register() log line, and the line our worker connector logs when it opens the store.
@@ -894,25 +892,6 @@ def per_round_ratios(num: list[Batch], den: list[Batch]) -> list[float]:
     return [a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den, strict=True)]
 
 
-#: Student's t, two-sided 95%, by degrees of freedom (scipy is not a dependency).
-T_975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14)
-
-
-def paired_ratio(rounds: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of per-round ratios and its 95% confidence interval (t on the logs).
-
-    Rounds are paired (each round runs every configuration back to back), so the machine's
-    drift between rounds cancels in each ratio; the interval says whether a difference is
-    resolved at all (with the decode workload's spread here, about 25 rounds resolve 5%)."""
-    logs = np.log(rounds)
-    mean = float(logs.mean())
-    if len(logs) < 2:
-        return float(np.exp(mean)), float("nan"), float("nan")
-    t = T_975[len(logs) - 2] if len(logs) - 2 < len(T_975) else 1.96
-    half = t * float(logs.std(ddof=1)) / len(logs) ** 0.5
-    return float(np.exp(mean)), float(np.exp(mean - half)), float(np.exp(mean + half))
-
-
 def ratios(
     batches: dict[tuple[str, str], list[Batch]], workload: str
 ) -> dict[str, dict[str, float]]:
@@ -963,12 +942,7 @@ def report(
             x = r[ref]
             ok_t = x["paired"] >= target
             ok_l = x["latency"] <= 1 / target
-            if np.isnan(x["paired_ci_low"]):
-                resolved = "not resolved: one round has no CI"
-            elif not x["paired_ci_low"] <= target <= x["paired_ci_high"]:
-                resolved = "resolved"
-            else:
-                resolved = "not resolved: CI contains target"
+            resolved = resolution(x["paired_ci_low"], x["paired_ci_high"], target)
             print(
                 f"  ours/{ref:<4} tok/s: paired geo-mean {x['paired']:5.3f} (95% CI "
                 f"{x['paired_ci_low']:.3f}-{x['paired_ci_high']:.3f}, {resolved}; rounds "

@@ -63,6 +63,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import random
@@ -653,8 +654,11 @@ def warm_up(servers: dict[str, RunningServer], model: str) -> None:
         reset_prefix_cache(server)
 
 
+@functools.cache
 def code_version() -> str:
-    """Where the servers import vllm_artifact from, and that tree's git revision."""
+    """Where the servers import vllm_artifact from, and that tree's git revision when the run
+    started (cached: the JSON written at the end names the code the servers ran, not a commit
+    made meanwhile)."""
     import vllm_artifact
 
     package = Path(vllm_artifact.__file__).resolve().parent

@@ -1,7 +1,8 @@
 """Draw docs/benchmarks.png from the JSON files of bench_e2e.py and bench_terminal.py.
 
 Left: end-to-end throughput ratios per workload (geometric mean of the paired per-round
-ratios; whiskers: its 95% confidence interval) against the targets ours/off >= 0.97 and
+ratios; whiskers: its 95% confidence interval; or, from ``pool_e2e.py --json``, the same over
+sets of servers pooled from several runs) against the targets ours/off >= 0.97 and
 ours/vLLM >= 1.00.
 Right: terminal R3 of a 32K-token DeepSeek-V3-sized request (min of N runs) per allocator
 regime against the 8 ms target, with ours/vLLM written over each group (target <= 1.25x).
@@ -64,9 +65,12 @@ def plot_e2e(ax: Any, e2e: dict[str, Any]) -> None:
     ax.set_ylabel("output tokens/s ratio (higher is better)")
     paired = all("paired" in w["ratios"]["off"] for w in e2e["workloads"].values())
     whiskers = "95% CI of the paired geo-mean" if paired else "per-round range"
+    # pool_e2e.py's JSON: one sample per set of servers, pooled over runs.
+    samples = e2e.get("samples") or f"{e2e['rounds']} round(s)"
+    if "samples" in e2e:
+        whiskers = "95% CI over sets of servers"
     ax.set_title(
-        f"End to end, tiny MoE on 2 CPU cores, {e2e['rounds']} round(s)\n"
-        f"(dashed: targets; whiskers: {whiskers})",
+        f"End to end, tiny MoE on 2 CPU cores, {samples}\n(dashed: targets; whiskers: {whiskers})",
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="upper right")

@@ -9,8 +9,10 @@ run does not reproduce. Here every set of servers in every given JSON file contr
 ratio per workload (the geometric mean of its rounds' paired ratios), and the interval is t
 over those sets: wider, and honest about server-to-server and run-to-run variation.
 
-Run: ``.venv/bin/python benchmarks/pool_e2e.py RUN.json [RUN.json ...]`` (JSON files of
-``bench_e2e.py --json``; only runs of the three real configurations belong together).
+Run: ``.venv/bin/python benchmarks/pool_e2e.py RUN.json [RUN.json ...] [--json OUT]`` (JSON
+files of ``bench_e2e.py --json``; only runs of the three real configurations belong together).
+``--json`` writes the pooled ratios in ``bench_e2e``'s layout, which ``plot_benchmarks.py``
+draws.
 """
 
 from __future__ import annotations
@@ -75,14 +77,38 @@ def server_sets(path: Path) -> dict[str, list[ServerSet]]:
     return out
 
 
+def run_starts(dates: list[str]) -> str:
+    """``2026-12-01 09:45-13:29`` for ISO start times of one day, else the dates listed."""
+    days = {d[:10] for d in dates}
+    if len(days) == 1 and all(len(d) >= 16 for d in dates):
+        times = sorted(d[11:16] for d in dates)
+        return f"{days.pop()} {times[0]}-{times[-1]} (run starts)"
+    return " / ".join(sorted(d[:16] for d in dates))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="JSON files of bench_e2e.py --json")
+    ap.add_argument("--json", type=Path, help="write the pooled ratios here (for plotting)")
     args = ap.parse_args()
     pooled: dict[str, list[ServerSet]] = {}
+    runs = [json.loads(path.read_text()) for path in args.runs]
     for path in args.runs:
         for workload, sets in server_sets(path).items():
             pooled.setdefault(workload, []).extend(sets)
+    out: dict[str, Any] = {
+        "pooled_from": [str(path) for path in args.runs],
+        "date": run_starts([str(run.get("date", "?")) for run in runs]),
+        "load_start": [min(run["load_start"][0] for run in runs)],
+        "load_end": [max(run["load_end"][0] for run in runs)],
+        "targets": {"vs_off": TARGET_VS_OFF, "vs_vllm": TARGET_VS_VLLM},
+        "workloads": {},
+    }
+    out["samples"] = (
+        "sets of servers: "
+        + ", ".join(f"{w} {len(sets)}" for w, sets in pooled.items())
+        + f" ({len(runs)} runs pooled)"
+    )
     for workload, sets in pooled.items():
         print(f"\n{workload}: {len(sets)} sets of servers from {len({s.run for s in sets})} run(s)")
         print(
@@ -94,8 +120,15 @@ def main() -> None:
                 f"  {s.run[:24]:<24} {s.code[:14]:<14} {s.date[:16]:<17} {s.instance:>3} "
                 f"{s.rounds:>6}" + "".join(f"{s.ratios[p]:11.3f}" for p in PAIRS)
             )
+        ratios = out["workloads"].setdefault(workload, {"sets": len(sets), "ratios": {}})
         for pair in PAIRS:
             mean, low, high = paired_ratio([s.ratios[pair] for s in sets])
+            if pair[0] == "ours":
+                ratios["ratios"][pair[1]] = {
+                    "paired": mean,
+                    "paired_ci_low": low,
+                    "paired_ci_high": high,
+                }
             line = (
                 f"  {pair[0]}/{pair[1]} over sets of servers: {mean:.3f} "
                 f"(95% CI {low:.3f}-{high:.3f})"
@@ -105,6 +138,9 @@ def main() -> None:
                 met = "PASS" if mean >= target else "MISS"
                 line += f"; target >= {target:.2f}: {met}, {resolution(low, high, target)}"
             print(line)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"\npooled ratios written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ from typing import Any
 import httpx
 import numpy as np
 import requests
-from e2e_stats import TARGET_VS_OFF, TARGET_VS_VLLM, paired_ratio, resolution
+from e2e_stats import TARGET_VS_OFF, TARGET_VS_VLLM, paired_ratio, resolution, round_blocks
 from server_processes import (
     CONFIGS,
     LABELS,
@@ -795,7 +795,7 @@ def main() -> None:
     store = (0, 0)
     completed = 0
     n, k = rounds, args.instances
-    blocks = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+    blocks = round_blocks(n, k)
     aborted = False
     try:
         for instance, block in enumerate(blocks):

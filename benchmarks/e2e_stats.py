@@ -13,6 +13,11 @@ TARGET_VS_VLLM = 1.00
 T_975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14)
 
 
+def round_blocks(rounds: int, instances: int) -> list[range]:
+    """The rounds each set of freshly started servers runs (``bench_e2e --instances``)."""
+    return [range(i * rounds // instances, (i + 1) * rounds // instances) for i in range(instances)]
+
+
 def paired_ratio(ratios: list[float]) -> tuple[float, float, float]:
     """Geometric mean of paired ratios and its 95% confidence interval (t on the logs).
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from e2e_stats import TARGET_VS_OFF, TARGET_VS_VLLM, paired_ratio, resolution
+from e2e_stats import TARGET_VS_OFF, TARGET_VS_VLLM, paired_ratio, resolution, round_blocks
 
 #: Ratios reported per set of servers: (numerator, denominator) configurations.
 PAIRS = (("ours", "off"), ("ours", "vllm"), ("vllm", "off"))
@@ -43,12 +43,9 @@ class ServerSet:
     ratios: dict[tuple[str, str], float]  # geometric mean of the set's per-round ratios
 
 
-def server_sets(path: Path) -> dict[str, list[ServerSet]]:
-    """Per workload, the sets of servers of one ``bench_e2e`` JSON file (rounds split over the
-    instances as ``bench_e2e`` splits them)."""
-    data: dict[str, Any] = json.loads(path.read_text())
-    n, k = int(data["rounds"]), int(data.get("instances") or 1)
-    blocks = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+def server_sets(name: str, data: dict[str, Any]) -> dict[str, list[ServerSet]]:
+    """Per workload, the sets of servers of one ``bench_e2e`` JSON file's ``data``."""
+    blocks = round_blocks(int(data["rounds"]), int(data.get("instances") or 1))
     code = str(data.get("code", "?")).rsplit(" ", 1)[-1].strip("()")
     out: dict[str, list[ServerSet]] = {}
     for workload, body in data["workloads"].items():
@@ -59,7 +56,7 @@ def server_sets(path: Path) -> dict[str, list[ServerSet]]:
         }
         out[workload] = [
             ServerSet(
-                run=path.name,
+                run=name,
                 code=code,
                 date=str(data.get("date", "?")),
                 instance=i + 1,
@@ -93,8 +90,8 @@ def main() -> None:
     args = ap.parse_args()
     pooled: dict[str, list[ServerSet]] = {}
     runs = [json.loads(path.read_text()) for path in args.runs]
-    for path in args.runs:
-        for workload, sets in server_sets(path).items():
+    for path, data in zip(args.runs, runs, strict=True):
+        for workload, sets in server_sets(path.name, data).items():
             pooled.setdefault(workload, []).extend(sets)
     out: dict[str, Any] = {
         "pooled_from": [str(path) for path in args.runs],

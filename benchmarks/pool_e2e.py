@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,9 +61,7 @@ def server_sets(name: str, data: dict[str, Any]) -> dict[str, list[ServerSet]]:
                 instance=i + 1,
                 rounds=len(block),
                 ratios={
-                    (a, b): math.exp(
-                        sum(math.log(tok_s[a][r] / tok_s[b][r]) for r in block) / len(block)
-                    )
+                    (a, b): paired_ratio([tok_s[a][r] / tok_s[b][r] for r in block])[0]
                     for a, b in PAIRS
                 },
             )

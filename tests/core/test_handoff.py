@@ -142,8 +142,8 @@ def test_reader_waits_for_late_publication(store: ShmStore) -> None:
     rows = rows_for(SMALL, 3, 2 * BS)
     keys = full_block_keys(NS, [b"x", b"y"])
     late = threading.Timer(0.3, store.put_blocks, (keys, rows, 0))
+    started = time.monotonic()  # before the timer starts: a slow start cannot shorten it
     late.start()
-    started = time.monotonic()
     got = decode_r3(_handle(store.root, keys, first_row=0, num_rows=2 * BS).to_json())
     assert time.monotonic() - started >= 0.25
     np.testing.assert_array_equal(got.experts, rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -469,6 +470,11 @@ def test_reads_in_the_writing_process_do_not_wait_for_its_publisher(
         writer = threading.Thread(target=publish)
         writer.start()
         try:
+            # The churn has begun (key 1000, the oldest, is evicted first) before reads race it.
+            deadline = time.monotonic() + 30
+            while store.stats().evictions == 0:
+                assert time.monotonic() < deadline, "the publishing thread evicted nothing"
+                time.sleep(0.001)
             out = layout.empty(len(pinned) * bs)
             want = np.concatenate([rows_for(layout, i) for i in range(len(pinned))])
             churned = 0

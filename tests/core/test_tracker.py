@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import sys
 import threading
@@ -414,17 +415,24 @@ def gil_releases() -> Iterator[list[int]]:
             time.sleep(0)
 
     interval = sys.getswitchinterval()
+    # A collection inside the window could run finalizers of earlier tests' objects (an
+    # mmap's close releases the GIL): collect now, none while counting.
+    gc.collect()
+    gc.disable()
     sys.setswitchinterval(100.0)
     spinner = threading.Thread(target=spin, daemon=True)
     spinner.start()
     try:
-        time.sleep(0.005)  # the spinner runs now, so it waits for the GIL from here on
-        assert count[0] > 0
+        deadline = time.monotonic() + 10
+        while count[0] == 0:  # the spinner runs now, so it waits for the GIL from here on
+            assert time.monotonic() < deadline, "the spinner thread never ran"
+            time.sleep(0.005)
         yield count
     finally:
         stop.set()
         sys.setswitchinterval(interval)
         spinner.join()
+        gc.enable()
 
 
 def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:

@@ -52,7 +52,9 @@ def sigkill(parent_pid: int, target: str) -> list[int]:
     for process in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)
-    psutil.wait_procs(victims, timeout=30)
+    _, alive = psutil.wait_procs(victims, timeout=30)
+    if alive:
+        raise RuntimeError(f"vLLM {target} processes survived SIGKILL for 30 s: {alive}")
     return [process.pid for process in victims]
 
 

@@ -129,6 +129,43 @@ class StandInCapturer:
         return torch.from_numpy(self.rows[:num_rows])
 
 
+class WriteLog:
+    """A configuration's store writes of the run, for the replay. A step's writes are copied
+    after the step's timed part, into chunks of memory of their own: kept as they are, every
+    step's fresh arrays (ours) or payloads (vLLM's) would stay alive, so the next step's
+    allocations would land on fresh pages and pay page faults a server does not (it frees
+    them once written and reuses the memory)."""
+
+    CHUNK_BYTES = 64 << 20  # numpy maps arrays this big on their own, off the malloc heap
+
+    def __init__(self, copy_write: Callable[[Any, WriteLog], Any]) -> None:
+        self.writes: list[Any] = []
+        self._copy_write = copy_write
+        self._pending: list[Any] = []
+        self._chunk = np.empty(0, dtype=np.uint8)
+        self._used = 0
+
+    def add(self, write: Any) -> None:
+        """In the step: keep a reference only."""
+        self._pending.append(write)
+
+    def settle(self) -> None:
+        """After the step's timed part: copy its writes, drop the references."""
+        self.writes.extend(self._copy_write(write, self) for write in self._pending)
+        self._pending.clear()
+
+    def keep(self, data: np.ndarray | bytes) -> np.ndarray:
+        """A copy of ``data`` (for bytes: as a uint8 array) in the log's own memory."""
+        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+        nbytes = src.nbytes
+        if self._used + nbytes > len(self._chunk):
+            self._chunk, self._used = np.empty(max(self.CHUNK_BYTES, nbytes), np.uint8), 0
+        kept = self._chunk[self._used : self._used + nbytes].view(src.dtype).reshape(src.shape)
+        kept[...] = src
+        self._used += nbytes
+        return kept
+
+
 class Config:
     """One connector pair with its own requests; :meth:`step` times one engine step."""
 
@@ -138,9 +175,11 @@ class Config:
         scheduler: Any,
         worker: Any,
         capturer: StandInCapturer,
+        write_log: WriteLog,
         replay_writes: Callable[[], float],
     ) -> None:
         self.name = name
+        self.write_log = write_log
         # CPU seconds of redoing every store write of the run on the main thread, alone.
         self.replay_writes = replay_writes
         self.scheduler = scheduler
@@ -231,6 +270,7 @@ class Config:
         taken = [self.scheduler.take_output(request, output) for request in requests.values()]
         c3, t3 = time.thread_time(), time.perf_counter()
         assert all(rows is not None and len(rows) for rows in taken), "every request has rows"
+        self.write_log.settle()
         self.steps += 1
         if self.steps > WARM_UP_STEPS:
             self.scheduler_ms.append((c1 - c0 + c3 - c2b) * 1e3)
@@ -269,11 +309,18 @@ def writer_cpu_seconds(name: str) -> float:
 def ours(root: str) -> tuple[Config, Callable[[], None]]:
     store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=256 << 20)
     publisher = BackgroundPublisher(store)
-    submitted: list[list[BlockRun | PinChange]] = []
+
+    def copy_runs(runs: list[BlockRun | PinChange], log: WriteLog) -> list[BlockRun | PinChange]:
+        return [
+            run._replace(rows=log.keep(run.rows)) if isinstance(run, BlockRun) else run
+            for run in runs
+        ]
+
+    log = WriteLog(copy_runs)
     submit = publisher.submit
 
     def recording_submit(runs: Sequence[BlockRun | PinChange]) -> None:
-        submitted.append(list(runs))
+        log.add(list(runs))
         submit(runs)
 
     publisher.submit = recording_submit  # type: ignore[method-assign]
@@ -285,7 +332,7 @@ def ours(root: str) -> tuple[Config, Callable[[], None]]:
         ) as fresh:
             replayer = BackgroundPublisher(fresh)
             started = time.thread_time()
-            for runs in submitted:
+            for runs in log.writes:
                 replayer._publish(runs)
             seconds = time.thread_time() - started
             replayer.close()
@@ -311,7 +358,7 @@ def ours(root: str) -> tuple[Config, Callable[[], None]]:
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
-    return Config("ours", scheduler, worker, capturer, replay_writes), worker.close
+    return Config("ours", scheduler, worker, capturer, log, replay_writes), worker.close
 
 
 def vllms_own() -> tuple[Config, Callable[[], None]]:
@@ -327,14 +374,25 @@ def vllms_own() -> tuple[Config, Callable[[], None]]:
     ]
     store = BackgroundBlockObjectStore(new_store(), max_pending_batches=2 * CONCURRENCY)
     store.put(prefix)
-    submitted: list[tuple[list[BlockObject], tuple[str, ...], tuple[str, ...]]] = []
+    Put = tuple[list[BlockObject], tuple[str, ...], tuple[str, ...]]
+
+    def copy_put(write: Put, log: WriteLog) -> Put:
+        objects, retains, releases = write
+        # The store copies a payload with a slice assignment: a memoryview serves as bytes.
+        kept = [
+            BlockObject(key=o.key, payload=log.keep(o.payload).data)  # type: ignore[arg-type]
+            for o in objects
+        ]
+        return kept, retains, releases
+
+    log = WriteLog(copy_put)
     put = store.put
 
     def recording_put(
         objects: list[BlockObject], *, retain_keys: Any = (), release_keys: Any = ()
     ) -> None:
         retains, releases = tuple(retain_keys), tuple(release_keys)
-        submitted.append((objects, retains, releases))
+        log.add((objects, retains, releases))
         put(objects, retain_keys=retains, release_keys=releases)
 
     store.put = recording_put  # type: ignore[method-assign]
@@ -344,7 +402,7 @@ def vllms_own() -> tuple[Config, Callable[[], None]]:
         fresh = new_store()
         fresh.put(prefix)
         started = time.thread_time()
-        for objects, retains, releases in submitted:
+        for objects, retains, releases in log.writes:
             fresh.put(objects, retain_keys=retains, release_keys=releases)
         seconds = time.thread_time() - started
         fresh.close()
@@ -365,7 +423,7 @@ def vllms_own() -> tuple[Config, Callable[[], None]]:
     worker._lock = threading.Lock()
     worker._max_concurrent_batches = 1
     return (
-        Config("vLLM's own", AuxOutputSchedulerConnector(), worker, capturer, replay_writes),
+        Config("vLLM's own", AuxOutputSchedulerConnector(), worker, capturer, log, replay_writes),
         worker.close,
     )
 

@@ -63,12 +63,12 @@ def plot_e2e(ax: Any, e2e: dict[str, Any]) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(*YLIM)
     ax.set_ylabel("output tokens/s ratio (higher is better)")
-    paired = all("paired" in w["ratios"]["off"] for w in e2e["workloads"].values())
-    whiskers = "95% CI of the paired geo-mean" if paired else "per-round range"
-    # pool_e2e.py's JSON: one sample per set of servers, pooled over runs.
-    samples = e2e.get("samples") or f"{e2e['rounds']} round(s)"
-    if "samples" in e2e:
-        whiskers = "95% CI over sets of servers"
+    if "samples" in e2e:  # pool_e2e.py's JSON: one sample per set of servers, pooled over runs
+        samples, whiskers = e2e["samples"], "95% CI over sets of servers"
+    else:
+        paired = all("paired" in w["ratios"]["off"] for w in e2e["workloads"].values())
+        samples = f"{e2e['rounds']} round(s)"
+        whiskers = "95% CI of the paired geo-mean" if paired else "per-round range"
     ax.set_title(
         f"End to end, tiny MoE on 2 CPU cores, {samples}\n(dashed: targets; whiskers: {whiskers})",
         fontsize=9,

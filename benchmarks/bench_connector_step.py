@@ -136,7 +136,7 @@ class WriteLog:
     allocations would land on fresh pages and pay page faults a server does not (it frees
     them once written and reuses the memory)."""
 
-    CHUNK_BYTES = 64 << 20  # numpy maps arrays this big on their own, off the malloc heap
+    CHUNK_BYTES = 64 << 20  # glibc maps allocations this big with mmap, apart from the heap
 
     def __init__(self, copy_write: Callable[[Any, WriteLog], Any]) -> None:
         self.writes: list[Any] = []

@@ -47,7 +47,8 @@ def start_llm(model: Path, **overrides: Any) -> Any:
 
 
 def shutdown_llm(llm: Any) -> None:
-    """Stop the engine's processes (idempotent)."""
+    """Stop the engine's processes cleanly (idempotent): for an engine whose store a later
+    engine reads, since a clean shutdown lets the worker's publisher finish."""
     if getattr(llm, "_test_shut_down", False):
         return
     llm._test_shut_down = True
@@ -55,6 +56,26 @@ def shutdown_llm(llm: Any) -> None:
     with contextlib.suppress(psutil.NoSuchProcess):
         llm.llm_engine.engine_core.shutdown()
     gc.collect()
+
+
+def kill_llm(llm: Any) -> None:
+    """Tear down an engine nobody reads from again: SIGKILL its processes, then close the
+    client. vLLM 0.32's clean shutdown takes ~5 s per engine here (the worker spends ~4 s in
+    the interpreter's final garbage collection and the engine core is force-killed after a
+    5 s grace), about a minute over the suite."""
+    if getattr(llm, "_test_shut_down", False):
+        return
+    processes: list[psutil.Process] = []
+    for engine in llm.llm_engine.engine_core.resources.engine_manager.processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            core = psutil.Process(engine.pid)
+            processes += [core, *core.children(recursive=True)]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    assert not alive, f"engine processes outlived SIGKILL: {alive}"
+    shutdown_llm(llm)  # the processes are gone: this only closes the client's resources
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +103,5 @@ def llm_factory() -> Iterator[Any]:
         return llm
 
     yield make
-    # One at a time: vLLM 0.32's process-tree kill can race with a child that just exited
-    # (psutil.NoSuchProcess), which engines shut down in parallel made likely.
     for llm in started:
-        shutdown_llm(llm)
+        kill_llm(llm)

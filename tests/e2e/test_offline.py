@@ -73,19 +73,6 @@ def test_sampled_generation_matches_oracle(llm_a: Any, model_a: Path) -> None:
         assert_matches_oracle(model_a, output)
 
 
-def test_uint16_model_with_dense_layer(model_b: Path, llm_factory: Any) -> None:
-    llm_b = llm_factory(model_b, max_num_seqs=4)
-    outputs = llm_b.generate([*SHORT_PROMPTS, LONG_PROMPT], GREEDY)
-    for output in outputs:
-        experts = assert_matches_oracle(model_b, output)
-        assert experts.dtype == np.uint16
-        assert experts.shape[1:] == (4, 4)
-        # vLLM leaves the dense layer 0 (like expert 0); ours carries the dense mark.
-        assert (experts[:, 1, :] == 65535).all()
-        assert decode_r3(output.outputs[0]).dense_layers == (1,)
-        assert experts[:, [0, 2, 3], :].max() > 255, "IDs above 255 need uint16"
-
-
 def test_stop_string_keeps_exact_executed_rows(llm_a: Any, model_a: Path) -> None:
     """A stop string found in the frontend drops the tokens after it, and their rows."""
     prompt = "Stop strings cut the text at an exact token boundary:"

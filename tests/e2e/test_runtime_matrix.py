@@ -1,6 +1,7 @@
 """Runtime combinations on the real engine (issue 5 cells that exercise our own code).
 
-* Tensor parallelism 2: every rank captures, rank zero alone owns the store; R3 equals TP=1.
+* Tensor parallelism 2 on the uint16 model (300 experts, a dense layer): every rank captures,
+  rank zero alone owns the store; R3 equals the oracle's, IDs above 255 and the dense mark.
 * A KV connector with ``kv_role=kv_both`` (vLLM's ExampleConnector, KV saved on disk) after an
   engine restart: the prefix arrives as an *external* KV hit, and its R3 comes from the store
   that outlived the first engine (vLLM's in-process store dies here).
@@ -31,7 +32,7 @@ from vllm import SamplingParams
 from vllm_artifact_testing.eagle_draft import build_bigram_eagle_draft
 from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
 
-from vllm_artifact.client import read_r3_keys
+from vllm_artifact.client import decode_r3, read_r3_keys
 
 pytestmark = pytest.mark.engine
 
@@ -45,14 +46,14 @@ def check(model: Path, output: Any) -> None:
     assert_matches_oracle(model, output)
 
 
-def test_tensor_parallel_2_rank_zero_alone_writes(
-    model_a: Path, store_root: Path, llm_factory: Any
+def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
+    model_b: Path, store_root: Path, llm_factory: Any
 ) -> None:
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     # Two CPU workers on two cores must be bound by hand (vLLM's automatic binding needs NUMA).
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     try:
-        llm = llm_factory(model_a, artifact_root=str(store_root / "tp2"), tensor_parallel_size=2)
+        llm = llm_factory(model_b, artifact_root=str(store_root / "tp2"), tensor_parallel_size=2)
     finally:
         if previous is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
@@ -64,11 +65,24 @@ def test_tensor_parallel_2_rank_zero_alone_writes(
         return connector is not None, connector.store is not None
 
     assert sorted(llm.collective_rpc(roles)) == [(True, False), (True, True)]
-    first, again = (llm.generate([PROMPT], GREEDY)[0] for _ in range(2))
-    check(model_a, first)
-    check(model_a, again)
+    prompts = [PROMPT, "The router picks four of three hundred experts."]
+    first = llm.generate(prompts, GREEDY)
+    again = llm.generate(prompts[:1], GREEDY)[0]
+    for output in (*first, again):
+        check(model_b, output)
+        experts = output.outputs[0].routed_experts
+        assert experts.dtype == np.uint16 and experts.shape[1:] == (4, 4)
+        # vLLM leaves the dense layer's rows at 0 (like expert 0); ours carries the dense mark.
+        assert (experts[:, 1, :] == 65535).all()
+        assert decode_r3(output.outputs[0]).dense_layers == (1,)
+    assert max(o.outputs[0].routed_experts[:, [0, 2, 3]].max() for o in first) > 255, (
+        "IDs above 255 need uint16"
+    )
     assert again.num_cached_tokens >= 32
     assert connector_stats(llm)["reads"] == again.num_cached_tokens // 32
+    np.testing.assert_array_equal(
+        again.outputs[0].routed_experts, first[0].outputs[0].routed_experts
+    )
 
 
 def test_external_kv_hit_after_restart_is_served_from_the_store(

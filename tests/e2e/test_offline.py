@@ -1,7 +1,10 @@
-"""Offline ``LLM(..., enable_routed_experts=True).generate()`` on a real engine vs the oracle.
+"""Offline ``LLM(..., enable_routed_experts=True).generate()`` on a real engine vs the oracle,
+then the store under faults on the same engine: R3 of prefix hits comes from the /dev/shm
+store, and a missing or corrupt object fails only the affected request, closed.
 
-The oracle is a Hugging Face transformers forward pass of the same weights (router top-k per
-token and layer); rows are compared as sets.
+One engine (module fixture) on a private store root. The oracle is a Hugging Face
+transformers forward pass of the same weights (router top-k per token and layer); rows are
+compared as sets.
 """
 
 from __future__ import annotations
@@ -13,10 +16,15 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_artifact_testing.engine_probe import assert_matches_oracle, executed_tokens
+from vllm_artifact_testing.engine_probe import (
+    assert_matches_oracle,
+    connector_stats,
+    executed_tokens,
+)
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact_testing.store_faults import flip_in_every_slot
 
-from vllm_artifact.client import R3Keys, decode_r3, read_r3_keys
+from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
 
 pytestmark = pytest.mark.engine
 
@@ -34,8 +42,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm_a(model_a: Path, llm_factory: Any) -> Any:
-    return llm_factory(model_a, max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=8)
+def llm_a(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
+    return llm_factory(
+        model_a, artifact_root=str(store_root), max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=8
+    )
 
 
 def test_shape_and_dtype_uint8(llm_a: Any) -> None:
@@ -163,3 +173,78 @@ def test_bad_format_option_is_a_clear_error(llm_a: Any) -> None:
     with pytest.raises(VLLMValidationError, match="cannot be combined with stop strings"):
         llm_a.generate(["x"], stop)
     assert llm_a.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+# The store under faults, on the same engine (these run last: they corrupt every stored object).
+STORE_GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPT_ONE = " ".join(f"Block {i} of the first prompt goes to expert {i % 8}." for i in range(24))
+PROMPT_TWO = " ".join(f"Another text {i} that shares no prefix, layer {i % 4}." for i in range(24))
+
+
+def test_prefix_hit_is_served_from_the_store(llm_a: Any, model_a: Path) -> None:
+    start = connector_stats(llm_a)
+    first = llm_a.generate([PROMPT_ONE], STORE_GREEDY)[0]
+    assert_matches_oracle(model_a, first)
+    before = connector_stats(llm_a)
+    executed = len(executed_tokens(first))
+    # Every full block, plus the terminal partial block of a normal finish.
+    assert before["objects"] - start["objects"] == executed // 32 + (executed % 32 > 0)
+    assert before["tails"] - start["tails"] == (executed % 32 > 0)
+
+    again = llm_a.generate([PROMPT_ONE], STORE_GREEDY)[0]
+    assert again.num_cached_tokens >= 32
+    after = connector_stats(llm_a)
+    assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
+    assert_matches_oracle(model_a, again)
+    np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
+
+
+def test_corrupt_object_fails_that_request_only(
+    llm_a: Any, model_a: Path, store_root: Path
+) -> None:
+    llm_a.generate([PROMPT_ONE], STORE_GREEDY)  # make sure its blocks are published
+    flip_in_every_slot(store_root, where="payload")
+    hit, fresh = llm_a.generate([PROMPT_ONE, PROMPT_TWO], STORE_GREEDY)
+    assert hit.outputs[0].finish_reason == "error"
+    assert hit.outputs[0].routed_experts is None
+    failure = r3_failure(hit.outputs[0].stop_reason)
+    assert failure is not None and failure.reason == "corrupt", hit.outputs[0].stop_reason
+    assert "checksum" in failure.message
+    # The other request of the same batch is untouched and the engine goes on.
+    assert fresh.outputs[0].finish_reason == "length"
+    assert_matches_oracle(model_a, fresh)
+
+
+def test_deleted_object_fails_closed_and_engine_keeps_serving(
+    llm_a: Any, model_a: Path, store_root: Path
+) -> None:
+    llm_a.generate([PROMPT_TWO], STORE_GREEDY)
+    flip_in_every_slot(store_root, where="key")
+    hit = llm_a.generate([PROMPT_TWO], STORE_GREEDY)[0]
+    assert hit.outputs[0].finish_reason == "error"
+    failure = r3_failure(hit.outputs[0].stop_reason)
+    assert failure is not None and failure.reason == "missing", hit.outputs[0].stop_reason
+    assert "Increase --artifact-capacity" in failure.message
+    later = llm_a.generate(["A short prompt after the failure."], STORE_GREEDY)[0]
+    assert later.outputs[0].finish_reason == "length"
+    assert_matches_oracle(model_a, later)
+
+
+def test_weight_version_change_never_reuses_old_objects(llm_a: Any, model_a: Path) -> None:
+    prompt = " ".join(f"Weights version test sentence {i}." for i in range(30))
+    llm_a.generate([prompt], STORE_GREEDY)
+    llm_a.llm_engine.set_weight_version("v2")
+    try:
+        # The KV cache still holds the prompt (a hit), but its R3 was keyed under the old
+        # version: the request fails closed instead of returning the old weights' routing.
+        stale = llm_a.generate([prompt], STORE_GREEDY)[0]
+        assert stale.outputs[0].finish_reason == "error"
+        assert "missing" in str(stale.outputs[0].stop_reason)
+        assert "reset the prefix cache" in str(stale.outputs[0].stop_reason)
+        # After a prefix-cache reset (what RL loops do after a weight update) it recomputes.
+        assert llm_a.reset_prefix_cache()
+        fresh = llm_a.generate([prompt], STORE_GREEDY)[0]
+        assert fresh.outputs[0].finish_reason == "length"
+        assert_matches_oracle(model_a, fresh)
+    finally:
+        llm_a.llm_engine.set_weight_version("default")

@@ -1,10 +1,12 @@
-"""Capacity pressure and a crash on a real engine.
+"""Capacity pressure, preemption and a crash on a real engine.
 
-The KV cache is shrunk to 64 blocks so that it, too, evicts; the store capacity is "auto"
-(sized from the KV cache). Repeated recent prompts hit the KV cache and must get their R3
-from the store; nothing fails and the store never grows past its capacity. Then the engine is
-SIGKILLed mid-generation (while it publishes) and a new engine starts on the same root
-(the bounded CI version of ``scripts/soak_restarts.py``).
+The KV cache is shrunk to 64 blocks so that it, too, evicts and preempts; the store capacity
+is "auto" (sized from the KV cache). Four long requests that outgrow the KV cache are
+preempted and recomputed: the recomputed rows replace what was buffered. Repeated recent
+prompts hit the KV cache and must get their R3 from the store; nothing fails and the store
+never grows past its capacity. Then the engine is SIGKILLed mid-generation (while it
+publishes) and a new engine starts on the same root (the bounded CI version of
+``scripts/soak_restarts.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_
 pytestmark = pytest.mark.engine
 
 KV_BLOCKS = 64
-ENGINE = {"num_gpu_blocks_override": KV_BLOCKS, "max_num_seqs": 4, "max_model_len": 1024}
+ENGINE = {
+    "num_gpu_blocks_override": KV_BLOCKS,
+    "max_num_seqs": 4,
+    "max_model_len": 1024,
+    "disable_log_stats": False,  # vLLM counts preemptions
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,26 @@ def test_serving_ten_times_the_capacity(llm: Any, model_a: Path) -> None:
     assert 0 < stats["pinned"] <= KV_BLOCKS
     for output in outputs[-6:]:
         assert_matches_oracle(model_a, output)
+
+
+def test_preemption_recompute_matches_oracle(llm: Any, model_a: Path) -> None:
+    # 64 KV blocks of 32 tokens hold 2048 tokens; four ~470-token prompts growing by 100 tokens
+    # need 18 blocks each, so they cannot all stay resident: vLLM preempts and recomputes.
+    prompts = [
+        " ".join(f"Request {r} sentence {i} for preemption." for i in range(24)) for r in range(4)
+    ]
+    before = preemptions(llm)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert preemptions(llm) > before, "the KV cache was meant to force preemption"
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
+        assert_matches_oracle(model_a, output)
+
+
+def preemptions(llm: Any) -> float:
+    return sum(
+        metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"
+    )
 
 
 def test_sigkill_mid_generation_then_restart_on_the_same_root(

@@ -5,8 +5,6 @@
 * A KV connector with ``kv_role=kv_both`` (vLLM's ExampleConnector, KV saved on disk) after an
   engine restart: the prefix arrives as an *external* KV hit, and its R3 comes from the store
   that outlived the first engine (vLLM's in-process store dies here).
-* Preemption under a KV cache too small for the batch: recomputed rows replace what was
-  buffered, and every completion still equals the oracle.
 * Asynchronous scheduling (kept on by the CPU test switch) with prefix hits from the store.
 * N-gram speculative decoding (MRV2's n-gram speculator; on CPU its drafts come from the CPU
   support package's PyTorch proposer): rows of rejected drafts never reach the output.
@@ -108,31 +106,6 @@ def test_external_kv_hit_after_restart_is_served_from_the_store(
     check(model_a, again)
     assert connector_stats(second_engine)["reads"] > before, "prefix R3 must come from the store"
     assert (again.outputs[0].routed_experts == first.outputs[0].routed_experts).all()
-
-
-def test_preemption_recompute_matches_oracle(
-    model_a: Path, store_root: Path, llm_factory: Any
-) -> None:
-    # 16 KV blocks of 32 tokens hold 512 tokens; four requests growing to ~230 tokens each
-    # cannot all stay resident, so the scheduler preempts and later recomputes.
-    llm = llm_factory(
-        model_a,
-        artifact_root=str(store_root / "preempt"),
-        num_gpu_blocks_override=16,
-        max_num_seqs=4,
-        max_model_len=384,
-        disable_log_stats=False,
-    )
-    prompts = [
-        " ".join(f"Request {r} sentence {i} for preemption." for i in range(10)) for r in range(4)
-    ]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
-    preemptions = sum(
-        metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"
-    )
-    assert preemptions > 0, "the KV cache was meant to force preemption"
-    for output in outputs:
-        check(model_a, output)
 
 
 @pytest.fixture(scope="module")

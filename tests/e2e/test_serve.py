@@ -17,7 +17,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
-from vllm_artifact_testing.server import RunningServer, vllm_server
+from vllm_artifact_testing.server import RunningServer, vllm_servers
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import decode_r3
@@ -26,18 +26,26 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def server_a(model_a: Path, store_root: Path) -> Iterator[RunningServer]:
+def servers(model_a: Path, model_b: Path, store_root: Path) -> Iterator[list[RunningServer]]:
+    """Both servers of this module, started at the same time (their start-ups overlap)."""
     # --enable-scale-out serves the token-in/token-out endpoint (/inference/v1/generate).
-    args = ["--enable-routed-experts", "--enable-prompt-tokens-details", "--enable-scale-out"]
-    with vllm_server(model_a, [*args, "--artifact-root", str(store_root)]) as server:
-        yield server
+    args_a = ["--enable-routed-experts", "--enable-prompt-tokens-details", "--enable-scale-out"]
+    # The upstream spelling --enable-return-routed-experts keeps working.
+    args_b = ["--enable-return-routed-experts"]
+    specs = [(model_a, [*args_a, "--artifact-root", str(store_root)]), (model_b, args_b)]
+    with vllm_servers(specs) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def server_b_old_flag(model_b: Path) -> Iterator[RunningServer]:
-    """The upstream spelling ``--enable-return-routed-experts`` keeps working."""
-    with vllm_server(model_b, ["--enable-return-routed-experts"]) as server:
-        yield server
+def server_a(servers: list[RunningServer]) -> RunningServer:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def server_b_old_flag(servers: list[RunningServer]) -> RunningServer:
+    """The uint16 model, served with the upstream spelling ``--enable-return-routed-experts``."""
+    return servers[1]
 
 
 def greedy_body(model: Path, max_tokens: int, **fields: Any) -> dict[str, Any]:

@@ -51,9 +51,37 @@ def vllm_server(
     log_dir: Path | None = None,
 ) -> Iterator[RunningServer]:
     """Run ``vllm serve MODEL`` with the CPU test settings until the block exits."""
+    specs = [(model, extra_args)]
+    with vllm_servers(specs, startup_timeout=startup_timeout, log_dir=log_dir) as servers:
+        yield servers[0]
+
+
+@contextlib.contextmanager
+def vllm_servers(
+    specs: Sequence[tuple[str | Path, Sequence[str]]],
+    *,
+    startup_timeout: float = 600.0,
+    log_dir: Path | None = None,
+) -> Iterator[list[RunningServer]]:
+    """Run one ``vllm serve`` per ``(model, extra_args)`` until the block exits. All are
+    started before any is waited for: a start-up is mostly one process importing at a time,
+    so on two cores two of them take little longer than one."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-serve-"))
+    servers: list[RunningServer] = []
+    try:
+        for model, extra_args in specs:
+            servers.append(_start(model, extra_args, log_dir))
+        for server in servers:
+            _wait_ready(server, startup_timeout)
+        yield servers
+    finally:
+        for server in servers:
+            _stop(server.process)
+
+
+def _start(model: str | Path, extra_args: Sequence[str], log_dir: Path) -> RunningServer:
     port = free_port()
     env = apply_cpu_engine_env(dict(os.environ))
-    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-serve-"))
     log_path = log_dir / f"vllm-serve-{port}.log"
     cmd = [
         *vllm_command(),
@@ -70,12 +98,7 @@ def vllm_server(
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        _wait_ready(server, startup_timeout)
-        yield server
-    finally:
-        _stop(process)
+    return RunningServer(f"http://127.0.0.1:{port}", process, log_path)
 
 
 def _wait_ready(server: RunningServer, timeout: float) -> None:

@@ -46,23 +46,12 @@ def start_llm(model: Path, **overrides: Any) -> Any:
     return LLM(str(model), enable_routed_experts=True, **kwargs)
 
 
-def shutdown_llm(llm: Any) -> None:
-    """Stop the engine's processes cleanly (idempotent): for an engine whose store a later
-    engine reads, since a clean shutdown lets the worker's publisher finish."""
-    if getattr(llm, "_test_shut_down", False):
-        return
-    llm._test_shut_down = True
-    # vLLM may ask an already exited child for its name: that process is gone, which is fine.
-    with contextlib.suppress(psutil.NoSuchProcess):
-        llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
 def kill_llm(llm: Any) -> None:
-    """Tear down an engine nobody reads from again: SIGKILL its processes, then close the
-    client. vLLM 0.32's clean shutdown takes ~5 s per engine here (the worker spends ~4 s in
-    the interpreter's final garbage collection and the engine core is force-killed after a
-    5 s grace), about a minute over the suite."""
+    """Stop an engine (idempotent): SIGKILL its processes, then close the client. Tests take
+    what they need from an engine before (``connector_stats`` waits for its publications);
+    vLLM 0.32's clean shutdown would take ~5 s per engine here (the worker spends ~4 s in the
+    interpreter's final garbage collection and the engine core is force-killed after a 5 s
+    grace), about a minute over the suite."""
     if getattr(llm, "_test_shut_down", False):
         return
     processes: list[psutil.Process] = []
@@ -75,12 +64,17 @@ def kill_llm(llm: Any) -> None:
             process.kill()
     _, alive = psutil.wait_procs(processes, timeout=30)
     assert not alive, f"engine processes outlived SIGKILL: {alive}"
-    shutdown_llm(llm)  # the processes are gone: this only closes the client's resources
+    llm._test_shut_down = True
+    # The processes are gone: this closes the client's sockets. vLLM may ask an exited child
+    # for its name, which is fine.
+    with contextlib.suppress(psutil.NoSuchProcess):
+        llm.llm_engine.engine_core.shutdown()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
-def shutdown_engine() -> Any:
-    return shutdown_llm
+def kill_engine() -> Any:
+    return kill_llm
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
 * Tensor parallelism 2 on the uint16 model (300 experts, a dense layer): every rank captures,
   rank zero alone owns the store; R3 equals the oracle's, IDs above 255 and the dense mark.
-* A KV connector with ``kv_role=kv_both`` (vLLM's ExampleConnector, KV saved on disk) after an
-  engine restart: the prefix arrives as an *external* KV hit, and its R3 comes from the store
-  that outlived the first engine (vLLM's in-process store dies here).
+* A KV connector with ``kv_role=kv_both`` (vLLM's ExampleConnector, KV saved on disk) after the
+  first engine is SIGKILLed and a second starts: the prefix arrives as an *external* KV hit,
+  and its R3 comes from the store that outlived the first engine (vLLM's in-process store dies
+  with it).
 * Asynchronous scheduling (kept on by the CPU test switch) with prefix hits from the store.
 * N-gram speculative decoding (MRV2's n-gram speculator; on CPU its drafts come from the CPU
   support package's PyTorch proposer): rows of rejected drafts never reach the output.
@@ -84,7 +85,7 @@ def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
 
 
 def test_external_kv_hit_after_restart_is_served_from_the_store(
-    model_a: Path, store_root: Path, tmp_path: Path, llm_factory: Any, shutdown_engine: Any
+    model_a: Path, store_root: Path, tmp_path: Path, llm_factory: Any, kill_engine: Any
 ) -> None:
     kv_transfer_config = {
         "kv_connector": "ExampleConnector",
@@ -98,7 +99,8 @@ def test_external_kv_hit_after_restart_is_served_from_the_store(
     first_engine = llm_factory(model_a, **settings)
     first = first_engine.generate([PROMPT], GREEDY)[0]
     check(model_a, first)
-    shutdown_engine(first_engine)
+    assert connector_stats(first_engine)["objects"] > 0  # waits until its publications are out
+    kill_engine(first_engine)  # the store and the saved KV outlive a SIGKILL
 
     second_engine = llm_factory(model_a, **settings)
     before = connector_stats(second_engine)["reads"]

@@ -227,6 +227,13 @@ class ArtifactWorkerConnector:
         """Terminal partial blocks published (requests that finished normally)."""
         return 0 if self._tracker is None else self._tracker.tails_published
 
+    def flush_publications(self, timeout: float = 30.0) -> None:
+        """Wait until every object submitted so far is published (or failed): counts read
+        after it do not race the background writer."""
+        publisher = self._publisher
+        if publisher is not None:
+            publisher.flush(timeout=timeout)
+
     # ------------------------------------------------------------ step hooks
 
     def begin_step(self, metadata: ArtifactStepMetadata | None) -> None:

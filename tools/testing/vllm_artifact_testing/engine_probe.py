@@ -19,9 +19,7 @@ def connector_stats(llm: Any) -> dict[str, int]:
         connector = worker.model_runner.aux_output_connector
         if connector is None or connector.store is None:
             return {}
-        publisher = connector._publisher  # counts after the background writes, not racing them
-        if publisher is not None:
-            publisher.flush()
+        connector.flush_publications()  # counts after the background writes, not racing them
         store = connector.store.stats()
         return {
             "reads": connector.reads,

@@ -47,11 +47,11 @@ def start_llm(model: Path, **overrides: Any) -> Any:
 
 
 def kill_llm(llm: Any) -> None:
-    """Stop an engine (idempotent): SIGKILL its processes, then close the client. Tests take
-    what they need from an engine before (``connector_stats`` waits for its publications);
-    vLLM 0.32's clean shutdown would take ~5 s per engine here (the worker spends ~4 s in the
-    interpreter's final garbage collection and the engine core is force-killed after a 5 s
-    grace), about a minute over the suite."""
+    """Stop an engine (idempotent): SIGKILL its processes, then close the client. A test
+    takes what it needs from an engine before it is killed (``connector_stats`` waits for its
+    publications); vLLM 0.32's clean shutdown would take ~5 s per engine here (the worker
+    spends ~4 s in the interpreter's final garbage collection and the engine core is
+    force-killed after a 5 s grace), about a minute over the suite."""
     if getattr(llm, "_test_shut_down", False):
         return
     processes: list[psutil.Process] = []

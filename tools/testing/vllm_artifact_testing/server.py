@@ -68,12 +68,13 @@ def vllm_servers(
     so their start-ups overlap (two on 2 cores: 68 s, against 47 + 51 s one after the other)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-serve-"))
     servers: list[RunningServer] = []
+    ports: set[int] = set()
     try:
         for model, extra_args in specs:
-            taken = {server.base_url.rsplit(":", 1)[1] for server in servers}
             port = free_port()
-            while str(port) in taken:  # none has bound its port yet: never hand one out twice
+            while port in ports:  # none has bound its port yet: never hand one out twice
                 port = free_port()
+            ports.add(port)
             servers.append(_start(model, extra_args, log_dir, port))
         for server in servers:
             _wait_ready(server, startup_timeout)

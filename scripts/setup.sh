@@ -28,11 +28,11 @@ if [[ -x "$VENV/bin/python" && -f "$STAMP_FILE" && "$(cat "$STAMP_FILE")" == "$S
     exit 0
 fi
 
-echo "setup: installing into $VENV ($FLAVOR build of vLLM 0.32.0); under a minute with uv, a few with pip"
+echo "setup: installing into $VENV ($FLAVOR build of vLLM 0.32.0); a minute or two with uv, 4 with pip"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 
-# uv installs the same pins as pip about ten times faster (18 s against ~4 minutes on a 2-core
-# machine); pip stays the fallback. uv reads neither pip's configuration nor PIP_* variables,
+# uv installs the same pins as pip in a third of the time (a fresh clone's set-up: 75 s against
+# ~4 minutes on a 2-core machine, most of it compiling bytecode); pip stays the fallback. uv reads neither pip's configuration nor PIP_* variables,
 # so the machine's wheel directories, indexes and constraints (`pip config list`) are passed
 # on, with pip's rule for several indexes (the best version from any of them). Bytecode is
 # compiled, as pip does: Python here writes no .pyc (PYTHONDONTWRITEBYTECODE=1), so without

@@ -32,11 +32,12 @@ echo "setup: installing into $VENV ($FLAVOR build of vLLM 0.32.0); a minute or t
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 
 # uv installs the same pins as pip in a third of the time (a fresh clone's set-up: 75 s against
-# ~4 minutes on a 2-core machine, most of it compiling bytecode); pip stays the fallback. uv reads neither pip's configuration nor PIP_* variables,
-# so the machine's wheel directories, indexes and constraints (`pip config list`) are passed
-# on, with pip's rule for several indexes (the best version from any of them). Bytecode is
-# compiled, as pip does: Python here writes no .pyc (PYTHONDONTWRITEBYTECODE=1), so without
-# it every import would compile from source and an engine start would take far longer.
+# ~4 minutes on a 2-core machine, most of it compiling bytecode); pip stays the fallback. uv
+# reads neither pip's configuration nor PIP_* variables, so the machine's wheel directories,
+# indexes and constraints (`pip config list`) are passed on, with pip's rule for several
+# indexes (the best version from any of them). Bytecode is compiled, as pip does: Python here
+# writes no .pyc (PYTHONDONTWRITEBYTECODE=1), so without it every import would compile from
+# source and an engine start would take far longer.
 UV_ARGS=(--quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode)
 while IFS= read -r line; do
     key="${line%%=*}"

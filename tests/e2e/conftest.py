@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
+from vllm_artifact_testing.chaos import sigkill_processes
 from vllm_artifact_testing.engine_env import ENGINE_KWARGS, apply_cpu_engine_env
 from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
@@ -59,11 +60,7 @@ def kill_llm(llm: Any) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             core = psutil.Process(engine.pid)
             processes += [core, *core.children(recursive=True)]
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    _, alive = psutil.wait_procs(processes, timeout=30)
-    assert not alive, f"engine processes outlived SIGKILL: {alive}"
+    sigkill_processes(processes)
     llm._test_shut_down = True
     # The processes are gone: this closes the client's sockets. vLLM may ask an exited child
     # for its name, which is fine.

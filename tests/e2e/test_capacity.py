@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.chaos import check_root, published, sigkill, wait_for_publications
-from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
+from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats, vllm_counters
 
 pytestmark = pytest.mark.engine
 
@@ -86,9 +86,7 @@ def test_preemption_recompute_matches_oracle(llm: Any, model_a: Path) -> None:
 
 
 def preemptions(llm: Any) -> float:
-    return sum(
-        metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"
-    )
+    return vllm_counters(llm, "vllm:num_preemptions")["vllm:num_preemptions"]
 
 
 def test_sigkill_mid_generation_then_restart_on_the_same_root(

@@ -29,7 +29,11 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.eagle_draft import build_bigram_eagle_draft
-from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
+from vllm_artifact_testing.engine_probe import (
+    assert_matches_oracle,
+    connector_stats,
+    vllm_counters,
+)
 
 from vllm_artifact.client import decode_r3, read_r3_keys
 
@@ -147,10 +151,7 @@ SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_n
 
 def spec_decode_counters(llm: Any) -> dict[str, float]:
     """vLLM's speculative decoding counters (needs ``disable_log_stats=False``)."""
-    return {
-        name: sum(metric.value for metric in llm.get_metrics() if metric.name == name)
-        for name in SPEC_DECODE_COUNTERS
-    }
+    return vllm_counters(llm, *SPEC_DECODE_COUNTERS)
 
 
 def generate_speculatively(

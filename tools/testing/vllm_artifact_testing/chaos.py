@@ -49,13 +49,18 @@ def sigkill(parent_pid: int, target: str) -> list[int]:
     victims = vllm_processes(parent_pid)[target]
     if not victims:
         raise RuntimeError(f"no vLLM {target} process below pid {parent_pid}")
-    for process in victims:
+    return sigkill_processes(victims)
+
+
+def sigkill_processes(processes: list[psutil.Process]) -> list[int]:
+    """SIGKILL ``processes`` and wait until they are gone; raises if one outlives 30 s."""
+    for process in processes:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)
-    _, alive = psutil.wait_procs(victims, timeout=30)
+    _, alive = psutil.wait_procs(processes, timeout=30)
     if alive:
-        raise RuntimeError(f"vLLM {target} processes survived SIGKILL for 30 s: {alive}")
-    return [process.pid for process in victims]
+        raise RuntimeError(f"processes survived SIGKILL for 30 s: {alive}")
+    return [process.pid for process in processes]
 
 
 def published(root: Path) -> int:

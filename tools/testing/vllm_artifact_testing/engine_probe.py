@@ -35,6 +35,16 @@ def connector_stats(llm: Any) -> dict[str, int]:
     return next(s for s in llm.collective_rpc(stats) if s)
 
 
+def vllm_counters(llm: Any, *names: str) -> dict[str, float]:
+    """Totals of vLLM's counters ``names`` over all their labels (needs
+    ``disable_log_stats=False``), from one read of the engine's metrics."""
+    totals = dict.fromkeys(names, 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += metric.value
+    return totals
+
+
 def executed_tokens(output: Any, index: int = 0) -> list[int]:
     """Tokens that went through a forward pass for completion ``index``: the prompt and all
     generated but the last."""

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import secrets
 import shutil
+import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,3 +53,37 @@ def rows_for(layout: R3Layout, seed: int, n_tokens: int | None = None) -> np.nda
 
 def key_for(namespace: Namespace, i: int) -> ObjectKey:
     return full_block_key(namespace, i.to_bytes(32, "little"))
+
+
+@contextlib.contextmanager
+def gil_releases() -> Iterator[list[int]]:
+    """Counts the times the calling thread lets another thread run: a spinner thread counts
+    and yields the GIL in a loop, and with a switch interval of 100 s there are no forced
+    switches, so it runs only while this thread has released the GIL."""
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    # A collection inside the window could run finalizers of earlier tests' objects (an
+    # mmap's close releases the GIL): collect now, none while counting.
+    gc.collect()
+    gc.disable()
+    sys.setswitchinterval(100.0)
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while count[0] == 0:  # the spinner runs now, so it waits for the GIL from here on
+            assert time.monotonic() < deadline, "the spinner thread never ran"
+            time.sleep(0.005)
+        yield count
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        spinner.join()
+        gc.enable()

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
-import sys
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -27,7 +22,7 @@ from vllm_artifact.core.tracker import (
     eviction_id,
 )
 
-from .conftest import rows_for
+from .conftest import gil_releases, rows_for
 
 BS = 16  # block size of the SMALL layout
 
@@ -399,40 +394,6 @@ class _RecordingPublisher:
 
     def flush(self, keys: object = None, timeout: float = 30.0) -> None:
         pass
-
-
-@contextlib.contextmanager
-def gil_releases() -> Iterator[list[int]]:
-    """Counts the times the calling thread lets another thread run: a spinner thread counts
-    and yields the GIL in a loop, and with a switch interval of 100 s there are no forced
-    switches, so it runs only while this thread has released the GIL."""
-    count = [0]
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            count[0] += 1
-            time.sleep(0)
-
-    interval = sys.getswitchinterval()
-    # A collection inside the window could run finalizers of earlier tests' objects (an
-    # mmap's close releases the GIL): collect now, none while counting.
-    gc.collect()
-    gc.disable()
-    sys.setswitchinterval(100.0)
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
-    try:
-        deadline = time.monotonic() + 10
-        while count[0] == 0:  # the spinner runs now, so it waits for the GIL from here on
-            assert time.monotonic() < deadline, "the spinner thread never ran"
-            time.sleep(0.005)
-        yield count
-    finally:
-        stop.set()
-        sys.setswitchinterval(interval)
-        spinner.join()
-        gc.enable()
 
 
 def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:

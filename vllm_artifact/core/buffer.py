@@ -223,7 +223,9 @@ class RequestRowBuffer:
                     f"rows before token {floor} were never buffered (partial cache hit)."
                 )
             start = floor
-        rows = self._rows[slot, start - block_start : end - block_start].copy()
+        # As row items: a copy of rows element by element releases the GIL (_as_items).
+        at = slot * self._bs - block_start
+        rows = _from_items(self._row_items[at + start : at + end].copy(), self._rows[slot])
         self.drop(request_id)
         return TailRows(start, rows)
 

@@ -410,36 +410,39 @@ class ShmStore(ObjectStore):
     # ----------------------------------------------------------------- locating
 
     def _locate(self, words: np.ndarray) -> _Located:
-        """Slots and envelope snapshots of keys, vectorized over the batch."""
+        """Slots and envelope snapshots of keys, vectorized over the batch (for up to 31 keys
+        without releasing the GIL, like :meth:`HashIndex.probe`)."""
         arena = self._live()
         n = len(words)
-        entries, hit = self._index.probe(words)
-        if not hit.any():  # the usual put: every key is new (no entry carries its tag)
+        owners, candidates = self._index.probe(words)
+        slots = np.full(n, -1, dtype=np.int64)
+        if not len(owners):  # the usual put: every key is new (no entry carries its tag)
             none = np.zeros(n, dtype=bool)
             return _Located(
-                slots=np.full(n, -1, dtype=np.int64),
+                slots=slots,
                 seq=np.zeros(n, dtype=np.uint64),
                 words=np.zeros((n, 8), dtype=np.uint64),
                 present=none,
                 corrupt=none,
                 unstable=none,
             )
-        first = hit.argmax(axis=1)
-        rows_n = np.arange(n)
-        any_hit = hit[rows_n, first]
-        slots = HashIndex.entry_slots(entries[rows_n, first])
+        first = np.ones(len(owners), dtype=bool)  # each key's first candidate
+        np.not_equal(owners[1:], owners[:-1], out=first[1:])
+        slots[owners[first]] = candidates[first]
         n_slots = len(arena.seq)
-        found = any_hit & (slots >= 0) & (slots < n_slots)  # damaged entry: missing
+        found = (slots >= 0) & (slots < n_slots)  # damaged entry: missing
         slots[~found] = -1
         safe = np.where(found, slots, 0)
-        all_words = arena.words
-        seq = all_words[safe, 0]  # seqlock: read seq, then copy the envelope
-        env = all_words[safe]
+        seq = arena.seq[safe]  # seqlock: read seq, then copy the envelope
+        env = arena.header_items[safe].view("<u8").reshape(n, 8)  # the envelopes
         keyok = found & (env[:, 1] == words[:, 0]) & (env[:, 2] == words[:, 1])
-        retry = np.flatnonzero(any_hit & ~keyok)
-        if len(retry):  # rare: another key with the same tag comes first
-            for i in retry[np.count_nonzero(hit[retry], axis=1) > 1].tolist():
-                for s in HashIndex.entry_slots(entries[i][hit[i]]).tolist():
+        if len(owners) > np.count_nonzero(first) and not keyok.all():
+            # Rare: a key with several candidates, and the first is another key's (same tag)
+            # or a damaged entry.
+            all_words = arena.words
+            several = np.flatnonzero(np.bincount(owners, minlength=n) > 1)
+            for i in several[~keyok[several]].tolist():
+                for s in candidates[owners == i].tolist():
                     if (
                         0 <= s < n_slots
                         and int(all_words[s, 1]) == int(words[i, 0])
@@ -942,7 +945,9 @@ class _IntoDest(_Dest):
     def prepare(
         self, n_tokens: np.ndarray, token_starts: np.ndarray
     ) -> tuple[memoryview, np.ndarray]:
-        offsets = np.zeros(len(n_tokens), dtype=np.int64)
+        # Not np.zeros: numpy zero-fills 1 KiB and more with calloc, releasing the GIL.
+        offsets = np.empty(len(n_tokens), dtype=np.int64)
+        offsets[:1] = 0
         np.cumsum(n_tokens[:-1], out=offsets[1:])
         wrong = token_starts.astype(np.int64) != self._start + offsets
         if wrong.any():

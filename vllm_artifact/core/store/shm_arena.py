@@ -159,6 +159,9 @@ class Arena:
         #: The same headers as ``[slots, 8]`` uint64 words (:class:`HeaderWords`).
         self.words = self.headers.view("<u8").reshape(g.slot_count, 8)
         self.seq = self.words[:, 0]
+        #: And as one opaque item per header: fancy indexing copies a whole header per
+        #: index, fast and without releasing the GIL (see ShmStore._locate).
+        self.header_items = self.words.view(np.dtype((np.void, HEADER_NBYTES)))[:, 0]
         self.payload = buf[g.payload_offset : g.payload_offset + g.slot_count * g.slot_nbytes]
         #: The same payload as ``[slots, slot_nbytes]`` bytes (whole-block copies in one call).
         self.payload_blocks = np.frombuffer(
@@ -173,8 +176,8 @@ class Arena:
         if mm is None or buf is None:
             return
         self._mm = self._buf = None
-        del self.index_table, self.headers, self.words, self.seq, self.payload_blocks
-        del self.payload_items
+        del self.index_table, self.headers, self.words, self.seq, self.header_items
+        del self.payload_blocks, self.payload_items
         self.payload.release()
         try:
             buf.release()

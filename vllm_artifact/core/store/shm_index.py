@@ -27,13 +27,24 @@ __all__ = ["BUCKET_WAYS", "HashIndex", "index_buckets_for"]
 BUCKET_WAYS = 8
 _LOW32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
+_TAG = np.uint64(0xFFFFFFFF00000000)  # an entry's (and a key's) tag bits
 _CHUNK = 4096
+#: Array operations over at most this many items keep the GIL (numpy 2.3, measured).
+_KEEPS_GIL = 496  # 31 keys' entries
+#: Reads of up to this many keys (two buckets each) probe without releasing the GIL.
+_GIL_KEEPING_KEYS = _KEEPS_GIL // 2
 
 
 def index_buckets_for(slot_count: int) -> int:
     """Power-of-two bucket count giving >= 4 entries per slot."""
     want = max(1, -(-4 * slot_count // BUCKET_WAYS))
     return 1 << (want - 1).bit_length()
+
+
+def _same_tag(entries: np.ndarray, tags: np.ndarray) -> np.ndarray:
+    """Entries whose upper 32 bits equal the tag's (``tags`` as long as ``entries`` or
+    longer)."""
+    return (entries ^ tags[: len(entries)]) <= _LOW32
 
 
 class HashIndex:
@@ -47,6 +58,8 @@ class HashIndex:
             raise ValueError("index bucket count must be a power of two")
         self.table = table
         self._mask = np.uint64(nb - 1)
+        # One opaque item per bucket: fancy indexing copies a bucket per index (see probe).
+        self._buckets = table.view(np.dtype((np.void, 8 * BUCKET_WAYS)))[:, 0]
 
     def _route(
         self, words: np.ndarray, slots: np.ndarray | None = None
@@ -59,31 +72,39 @@ class HashIndex:
             return b1, b2, tag
         return b1, b2, tag | (slots.astype(np.uint64) + np.uint64(1))
 
-    def candidates(self, words: np.ndarray) -> np.ndarray:
-        """``[n, 16]`` int64 slots whose entries carry the key's tag; -1 elsewhere."""
-        b1, b2, tag = self._route(words)
-        entries = self.table[np.stack((b1, b2), axis=1)].reshape(len(words), 2 * BUCKET_WAYS)
-        # An empty entry (0) decodes to slot -1, so it needs no separate test.
-        hit = (entries >> _S32) == (tag >> _S32)[:, None]
-        slots = (entries & _LOW32).astype(np.int64)
-        slots -= 1
-        slots[~hit] = -1
-        return slots
-
     def probe(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Entries of both candidate buckets (``[n, 16]`` uint64) and where
-        they carry the key's tag (bool, empty entries never match)."""
-        b1, b2, tag = self._route(words)
-        entries = self.table[np.stack((b1, b2), axis=1)].reshape(len(words), 2 * BUCKET_WAYS)
-        hit = ((entries >> _S32) == (tag >> _S32)[:, None]) & (entries != 0)
-        return entries, hit
+        """Every entry of the keys' candidate buckets that carries the key's tag, as
+        ``(owners, slots)``: key ``owners[j]`` (ascending; a key can have several when
+        another key shares its tag) may live in slot ``slots[j]`` (int64).
 
-    @staticmethod
-    def entry_slots(entries: np.ndarray) -> np.ndarray:
-        """Slot numbers (int64) of non-empty entries."""
-        slots = (entries & _LOW32).astype(np.int64)
+        Buckets move as opaque 64-byte items and the tag test runs on flat arrays: for up to
+        31 keys (496 entries) no step of it releases the GIL, which the engine's step thread
+        needs for its prefix-hit reads (docs/design.md, "The step path keeps the GIL").
+        """
+        k0 = words[:, 0]
+        buckets = np.empty((len(words), 2), dtype=np.intp)
+        buckets[:, 0] = k0 & self._mask
+        buckets[:, 1] = (k0 >> _S32) & self._mask
+        entries = self._buckets[buckets.reshape(-1)].view("<u8")  # [keys * 16]
+        tags = np.repeat(words[:, 1] & _TAG, 2 * BUCKET_WAYS)
+        if _KEEPS_GIL < len(entries) <= _GIL_KEEPING_KEYS * 2 * BUCKET_WAYS:
+            # A prefix hit of up to 248 blocks: the tag test in slices of array operations
+            # small enough to keep the GIL (larger reads release it in their copy anyway).
+            at = np.concatenate(
+                [
+                    lo + np.flatnonzero(_same_tag(entries[lo : lo + _KEEPS_GIL], tags[lo:]))
+                    for lo in range(0, len(entries), _KEEPS_GIL)
+                ]
+            )
+        else:
+            at = np.flatnonzero(_same_tag(entries, tags))
+        slots = (entries[at] & _LOW32).astype(np.int64)
         slots -= 1
-        return slots
+        owners = at // (2 * BUCKET_WAYS)
+        empty = slots < 0  # an empty entry (0) matches a key whose tag is 0
+        if empty.any():
+            owners, slots = owners[~empty], slots[~empty]
+        return owners, slots
 
     def remove(self, words: np.ndarray, slots: np.ndarray) -> None:
         """Clear the entries mapping each key to exactly its slot (writer only)."""

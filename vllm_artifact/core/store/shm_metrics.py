@@ -11,6 +11,7 @@ grow).
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 from dataclasses import dataclass
@@ -133,7 +134,9 @@ class StoreMetrics:
 
     def _observe(self, at: int, seconds: float) -> None:
         w = self._w
-        bucket = int(np.searchsorted(LATENCY_BUCKETS, seconds))  # first bound >= seconds
+        # First bound >= seconds. bisect, not np.searchsorted: this runs on every read, also
+        # on the engine's step thread, and numpy's search releases the GIL (docs/design.md).
+        bucket = bisect.bisect_left(LATENCY_BUCKETS, seconds)
         w[at + bucket] += 1
         w[at + _NB] += seconds
         w[at + _NB + 1] += 1

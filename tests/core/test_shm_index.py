@@ -1,0 +1,112 @@
+"""The store's hash index: what a probe returns, keys it cannot tell apart by their tag, and
+reads that keep the GIL (docs/design.md, "The step path keeps the GIL")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_artifact.core import Namespace, ObjectKey, R3Layout
+from vllm_artifact.core.keys import full_block_keys, keys_to_words
+from vllm_artifact.core.store import ShmStore
+from vllm_artifact.core.store.shm_arena import ArenaGeometry
+from vllm_artifact.core.store.shm_index import BUCKET_WAYS, HashIndex
+from vllm_artifact.errors import ObjectMissingError
+
+from .conftest import gil_releases, rows_for
+
+DEEPSEEK_V3 = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
+
+
+def crafted_key(word0: int, word1: int) -> ObjectKey:
+    """A key with chosen words: ``word0`` picks its two buckets, the upper half of ``word1`` is
+    its tag."""
+    return ObjectKey(word0.to_bytes(8, "little") + word1.to_bytes(8, "little"))
+
+
+def open_writer(root: str, layout: R3Layout, slots: int = 64) -> ShmStore:
+    cap = ArenaGeometry(layout, slots).file_nbytes
+    return ShmStore.create_or_open_writer(root, "ix", layout=layout, capacity_bytes=cap)
+
+
+def test_probe_lists_every_entry_with_the_keys_tag_in_key_order() -> None:
+    index = HashIndex(np.zeros((64, BUCKET_WAYS), dtype="<u8"))
+    keys = [
+        crafted_key(3 | 5 << 32, 0xAAAA_0000_0001),  # buckets 3 and 5, tag 0xAAAA
+        crafted_key(9 | 9 << 32, 0xBBBB_0000_0001),
+        crafted_key(3 | 5 << 32, 0xAAAA_0000_0002),  # same buckets and tag as the first
+        crafted_key(7 | 8 << 32, 0xCCCC_0000_0001),  # never inserted
+    ]
+    words = keys_to_words(keys)
+    assert not len(index.insert(words[:3], np.array([10, 20, 30])))
+    owners, slots = index.probe(words)
+    assert owners.tolist() == sorted(owners.tolist())
+    found = {(int(o), int(s)) for o, s in zip(owners, slots, strict=True)}
+    # The index cannot tell keys 0 and 2 apart: both are candidates of both.
+    assert found == {(0, 10), (0, 30), (1, 20), (2, 10), (2, 30)}
+
+
+def test_a_key_whose_tag_is_zero_does_not_match_empty_entries() -> None:
+    index = HashIndex(np.zeros((64, BUCKET_WAYS), dtype="<u8"))
+    key = crafted_key(1 | 2 << 32, 0x1234)  # upper 32 bits of word 1: 0
+    words = keys_to_words([key])
+    owners, slots = index.probe(words)
+    assert not len(owners)
+    index.insert(words, np.array([0]))
+    owners, slots = index.probe(words)
+    assert owners.tolist() == [0] and slots.tolist() == [0]
+
+
+def test_keys_sharing_buckets_and_tag_are_told_apart_by_their_envelopes(
+    shm_root: str, layout: R3Layout
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        a, b, c = (crafted_key(11 | 12 << 32, 0x5151_0000_0000 | i) for i in (1, 2, 3))
+        ra, rb = rows_for(layout, 1), rows_for(layout, 2)
+        store.put([(a, ra, 0)])
+        store.put([(b, rb, 16)])
+        got_b, got_a = store.get([b, a])  # b's first candidate is a's entry
+        assert np.array_equal(got_a, ra) and np.array_equal(got_b, rb)
+        assert store.exists([a, b, c]) == [True, True, False]
+        with pytest.raises(ObjectMissingError):
+            store.get([c])
+
+
+def test_a_damaged_index_entry_before_the_real_one_is_skipped(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    with open_writer(shm_root, layout) as store:
+        key = full_block_keys(namespace, [b"damaged-entry"])[0]
+        rows = rows_for(layout, 3)
+        store.put([(key, rows, 0)])
+        table = store._index.table
+        k0, k1 = (int(w) for w in keys_to_words([key])[0])
+        first_bucket = k0 & (len(table) - 1)
+        real = np.flatnonzero(table[first_bucket] >> np.uint64(32) == k1 >> 32)
+        if len(real) and real[0] == 0:  # make way 0 free for the damaged entry
+            table[first_bucket, BUCKET_WAYS - 1] = table[first_bucket, 0]
+        table[first_bucket, 0] = np.uint64((k1 >> 32) << 32 | 0xFFFF_FFF0)  # slot out of range
+        assert np.array_equal(store.get([key])[0], rows)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 31, 64, 248])
+def test_reads_of_up_to_248_blocks_keep_the_gil(
+    shm_root: str, namespace: Namespace, num_blocks: int
+) -> None:
+    """A prefix hit's store read runs on the engine's step thread; a GIL release there hands
+    the GIL to the publisher thread for up to the switch interval (5 ms). A release is seen
+    only when the spinner wins the race for the GIL, so the read is repeated."""
+    layout = DEEPSEEK_V3
+    ns = Namespace(namespace.model_id, layout, namespace.weight_version)
+    with open_writer(shm_root, layout, slots=256) as store:
+        keys = full_block_keys(ns, [i.to_bytes(32, "little") for i in range(num_blocks)])
+        rows = rows_for(layout, 4, num_blocks * layout.block_size)
+        store.put_blocks(keys, rows, 0)
+        out = layout.empty(len(rows))
+        with gil_releases() as count:
+            before = count[0]
+            for _ in range(60):
+                store.read_into(keys, out)
+            releases = count[0] - before
+        assert np.array_equal(out, rows)
+        assert releases == 0

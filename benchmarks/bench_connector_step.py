@@ -23,6 +23,9 @@ scheduler thread and <= 0.5 ms on the worker's) and of its wall time, which also
 time it waits for the GIL while the store writer thread (ours: the publisher; vLLM's: its
 background store thread) holds it; and that writer thread's own CPU per step, in the run and
 with each store's writes of the run redone alone on one thread afterwards (no GIL contention).
+The worker's steps are also shown split into those where a request with a prefix hit arrives
+(ours reads its R3 from the store) and the others, with the mean time the step thread waited
+for the GIL (wall minus CPU).
 Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]``
 """
 
@@ -195,6 +198,7 @@ class Config:
         self.worker_ms: list[float] = []
         self.scheduler_wall_ms: list[float] = []  # wall time: also waits for the GIL
         self.worker_wall_ms: list[float] = []
+        self.hit_steps: list[bool] = []  # a new request with a prefix hit arrived that step
         self.writer_cpu_ms = 0.0  # CPU of the background store writer over writer_steps steps
         self.writer_steps = 0
         self.timed_steps = 0
@@ -277,6 +281,7 @@ class Config:
             self.worker_ms.append((c2 - c1) * 1e3)
             self.scheduler_wall_ms.append((t1 - t0 + t3 - t2b) * 1e3)
             self.worker_wall_ms.append((t2 - t1) * 1e3)
+            self.hit_steps.append(bool(finished))
             self.timed_steps += 1
 
     def run(self, steps: int) -> None:
@@ -485,6 +490,24 @@ def report(configs: list[Config]) -> None:
             )
         ratio = medians[side, "ours"] / medians[side, "vLLM's own"]
         print(f"  {side:<9} ours / vLLM's own (CPU medians): {ratio:.2f}x")
+    # The p90 steps are those where a request arrives: the worker reads its prefix hit's R3
+    # from the store (ours) and the step thread may wait for the GIL there.
+    for config in configs:
+        for kind, wanted in (("prefix-hit steps", True), ("other steps", False)):
+            cpu = [
+                c for c, h in zip(config.worker_ms, config.hit_steps, strict=True) if h == wanted
+            ]
+            wall = [
+                w
+                for w, h in zip(config.worker_wall_ms, config.hit_steps, strict=True)
+                if h == wanted
+            ]
+            waited = statistics.fmean(w - c for w, c in zip(wall, cpu, strict=True))
+            print(
+                f"  worker    {config.name:<10} {kind:<16} ({len(cpu)}): CPU median "
+                f"{statistics.median(cpu):6.3f} ms, wall median {statistics.median(wall):6.3f} "
+                f"ms, wall - CPU mean {waited:6.3f} ms"
+            )
     for config in configs:
         print(
             f"  store writer thread ({config.writer_thread}) of {config.name}: "

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from vllm_artifact.core import R3Layout, dtype_for_experts
 from vllm_artifact.errors import SchemaError
+
+from .conftest import gil_releases
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,55 @@ def test_dense_layer_mask_and_mark_tell_dense_from_expert_zero() -> None:
     rows[1, 1, 0] = 8
     with pytest.raises(SchemaError, match="expert id 8"):
         lay.check_ids(rows)
+
+
+@given(
+    num_layers=st.integers(1, 12),
+    top_k=st.integers(1, 4),
+    wide=st.booleans(),
+    dense_bits=st.integers(0, 2**12 - 1),
+    tokens=st.integers(0, 40),
+    c_ordered=st.booleans(),
+)
+def test_mark_dense_sets_exactly_the_dense_entries(
+    num_layers: int, top_k: int, wide: bool, dense_bits: int, tokens: int, c_ordered: bool
+) -> None:
+    """Runs of consecutive dense layers are filled as one item per token: the same result as
+    numpy's assignment of the mark to every dense entry, for any dense-layer pattern."""
+    dense = tuple(i for i in range(num_layers) if dense_bits >> i & 1)
+    assume(len(dense) < num_layers)  # a layout has a MoE layer
+    lay = R3Layout(
+        num_layers=num_layers,
+        top_k=top_k,
+        num_experts=300 if wide else 8,
+        block_size=16,
+        dense_layers=dense,
+    )
+    rng = np.random.default_rng(dense_bits)
+    rows = rng.integers(0, 8, (tokens, num_layers, top_k)).astype(lay.dtype)
+    expected = rows.copy()
+    expected[:, list(dense), :] = lay.dense_mark
+    if not c_ordered:  # every other token of a larger array: the general path
+        spaced = np.zeros((2 * tokens, num_layers, top_k), dtype=lay.dtype)
+        spaced[::2] = rows
+        rows = spaced[::2]
+    lay.mark_dense(rows)
+    np.testing.assert_array_equal(rows, expected)
+
+
+def test_marking_a_decode_steps_dense_layers_keeps_the_gil() -> None:
+    """Rank zero marks every step's rows on the engine's step thread (docs/design.md, "The
+    step path keeps the GIL"): DeepSeek-V3 as vLLM captures it (61 layers, 0-2 dense), 256
+    requests, repeated so that one release per step would be seen all but surely."""
+    lay = R3Layout(num_layers=61, top_k=8, num_experts=256, block_size=16, dense_layers=(0, 1, 2))
+    rows = np.zeros((256, 61, 8), dtype=np.uint8)
+    with gil_releases() as count:
+        before = count[0]
+        for _ in range(300):
+            lay.mark_dense(rows)
+        releases = count[0] - before
+    assert (rows[:, :3] == 255).all() and not rows[:, 3:].any()
+    assert releases == 0
 
 
 @pytest.mark.parametrize(

@@ -168,9 +168,49 @@ class R3Layout:
         return np.ascontiguousarray(rows)
 
     def mark_dense(self, rows: np.ndarray) -> None:
-        """Set every dense-layer entry of ``rows`` to :attr:`dense_mark` (in place)."""
-        if self.dense_layers:
+        """Set every dense-layer entry of ``rows`` to :attr:`dense_mark` (in place).
+
+        Rank zero does this on the engine's step thread for every step's rows. For C-ordered
+        rows each run of consecutive dense layers is one opaque item per token, filled with
+        one item: a per-token fill that keeps the GIL for a few hundred tokens, where numpy's
+        strided and fancy assignments release it (docs/design.md, "The step path keeps the
+        GIL") and take several times longer.
+        """
+        if not self.dense_layers or not len(rows):
+            return
+        if (
+            not rows.flags.c_contiguous
+            or rows.dtype != self.dtype
+            or rows.shape[1:] != self.row_shape
+        ):
             rows[:, self._dense_index, :] = self.dense_mark
+            return
+        row_bytes = rows.reshape(len(rows), -1).view(np.uint8)
+        for start, stop, mark in self._dense_runs:
+            row_bytes[:, start:stop].view(mark.dtype)[:, 0] = mark
+
+    @cached_property
+    def _dense_runs(self) -> list[tuple[int, int, np.void]]:
+        """Byte ranges of a row holding consecutive dense layers, with the bytes they get."""
+        runs: list[list[int]] = []
+        for layer in self.dense_layers:
+            if runs and runs[-1][1] == layer:
+                runs[-1][1] = layer + 1
+            else:
+                runs.append([layer, layer + 1])
+        layer_nbytes = self.top_k * self.dtype.itemsize
+        out = []
+        for first, end in runs:
+            nbytes = (end - first) * layer_nbytes
+            mark = np.full((end - first) * self.top_k, self.dense_mark, dtype=self.dtype)
+            out.append(
+                (
+                    first * layer_nbytes,
+                    end * layer_nbytes,
+                    mark.view(np.dtype((np.void, nbytes)))[0],
+                )
+            )
+        return out
 
     @cached_property
     def _dense_index(self) -> np.ndarray:

@@ -410,7 +410,7 @@ class ShmStore(ObjectStore):
     # ----------------------------------------------------------------- locating
 
     def _locate(self, words: np.ndarray) -> _Located:
-        """Slots and envelope snapshots of keys, vectorized over the batch (for up to 31 keys
+        """Slots and envelope snapshots of keys, vectorized over the batch (for up to 248 keys
         without releasing the GIL, like :meth:`HashIndex.probe`)."""
         arena = self._live()
         n = len(words)

@@ -29,9 +29,11 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _TAG = np.uint64(0xFFFFFFFF00000000)  # an entry's (and a key's) tag bits
 _CHUNK = 4096
-#: Array operations over at most this many items keep the GIL (numpy 2.3, measured).
-_KEEPS_GIL = 496  # 31 keys' entries
-#: Reads of up to this many keys (two buckets each) probe without releasing the GIL.
+#: numpy (2.3, measured) keeps the GIL in array operations over at most this many items
+#: (docs/design.md, "The step path keeps the GIL").
+_KEEPS_GIL = 496  # the entries of 31 keys' two buckets
+#: Probes of up to this many keys keep the GIL: the gather of their 2 buckets each is the
+#: largest single operation then.
 _GIL_KEEPING_KEYS = _KEEPS_GIL // 2
 
 
@@ -77,9 +79,10 @@ class HashIndex:
         ``(owners, slots)``: key ``owners[j]`` (ascending; a key can have several when
         another key shares its tag) may live in slot ``slots[j]`` (int64).
 
-        Buckets move as opaque 64-byte items and the tag test runs on flat arrays: for up to
-        31 keys (496 entries) no step of it releases the GIL, which the engine's step thread
-        needs for its prefix-hit reads (docs/design.md, "The step path keeps the GIL").
+        Buckets move as opaque 64-byte items and the tag test runs on flat arrays, in slices
+        of 496 entries: for up to 248 keys no step of it releases the GIL, which the engine's
+        step thread needs for its prefix-hit reads (docs/design.md, "The step path keeps the
+        GIL").
         """
         k0 = words[:, 0]
         buckets = np.empty((len(words), 2), dtype=np.intp)

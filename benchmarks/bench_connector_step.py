@@ -494,19 +494,19 @@ def report(configs: list[Config]) -> None:
     # from the store (ours) and the step thread may wait for the GIL there.
     for config in configs:
         for kind, wanted in (("prefix-hit steps", True), ("other steps", False)):
-            cpu = [
-                c for c, h in zip(config.worker_ms, config.hit_steps, strict=True) if h == wanted
-            ]
-            wall = [
-                w
-                for w, h in zip(config.worker_wall_ms, config.hit_steps, strict=True)
+            picked = [
+                (c, w)
+                for c, w, h in zip(
+                    config.worker_ms, config.worker_wall_ms, config.hit_steps, strict=True
+                )
                 if h == wanted
             ]
-            waited = statistics.fmean(w - c for w, c in zip(wall, cpu, strict=True))
+            cpu_ms, wall_ms = [c for c, _ in picked], [w for _, w in picked]
+            waited = statistics.fmean(w - c for c, w in picked)
             print(
-                f"  worker    {config.name:<10} {kind:<16} ({len(cpu)}): CPU median "
-                f"{statistics.median(cpu):6.3f} ms, wall median {statistics.median(wall):6.3f} "
-                f"ms, wall - CPU mean {waited:6.3f} ms"
+                f"  worker    {config.name:<10} {kind:<16} ({len(picked)}): CPU median "
+                f"{statistics.median(cpu_ms):6.3f} ms, wall median "
+                f"{statistics.median(wall_ms):6.3f} ms, wall - CPU mean {waited:6.3f} ms"
             )
     for config in configs:
         print(

@@ -17,7 +17,8 @@ from vllm_artifact.core import (
     full_block_keys,
     tail_block_key,
 )
-from vllm_artifact.core.keys import keys_to_words
+from vllm_artifact.core import keys as keys_module
+from vllm_artifact.core.keys import KeyCache, keys_to_words
 from vllm_artifact.errors import SchemaError
 
 LAYOUT = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16)
@@ -82,6 +83,49 @@ def test_full_block_keys_matches_single() -> None:
     for bad in (b"", b"x" * 1025, "str"):
         with pytest.raises(SchemaError):
             full_block_keys(NS, [bad])  # type: ignore[list-item]
+
+
+@given(
+    st.lists(
+        st.lists(st.integers(0, 40), min_size=1, max_size=12).map(
+            lambda ids: [i.to_bytes(32, "little") for i in ids]
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    st.integers(2, 16),
+)
+def test_key_cache_gives_the_keys_full_block_keys_gives(
+    batches: list[list[bytes]], max_entries: int
+) -> None:
+    """Any mix of cached and new hashes, in order, with the cache trimmed along the way."""
+    cache = KeyCache(max_entries=max_entries)
+    largest = 0
+    for batch in batches:
+        assert cache.keys_of(NS, batch) == full_block_keys(NS, batch)
+        largest = max(largest, len(batch))
+        assert len(cache) <= max(max_entries, largest)
+
+
+def test_key_cache_keys_a_hash_once_and_follows_the_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[int] = []
+    real = keys_module.full_block_keys
+
+    def counting(namespace: Namespace, block_hashes: list[bytes]) -> list[ObjectKey]:
+        made.append(len(block_hashes))
+        return real(namespace, block_hashes)
+
+    monkeypatch.setattr(keys_module, "full_block_keys", counting)
+    cache = KeyCache()
+    prefix = [i.to_bytes(32, "little") for i in range(2048)]  # a 32K-token prompt
+    assert cache.keys_of(NS, prefix) == real(NS, prefix)
+    assert cache.keys_of(NS, [*prefix, b"next turn"]) == real(NS, [*prefix, b"next turn"])
+    assert made == [2048, 1]  # the second request keys only its own block
+    updated = Namespace(NS.model_id, NS.layout, "v2")  # a weight update
+    assert cache.keys_of(updated, prefix[:3]) == real(updated, prefix[:3])
+    assert made[-1] == 3 and len(cache) == 3
 
 
 def test_key_validation() -> None:

@@ -17,6 +17,7 @@ binds its token count, so a tail can never be confused with a full block.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -28,6 +29,7 @@ from vllm_artifact.errors import SchemaError
 
 __all__ = [
     "KEY_NBYTES",
+    "KeyCache",
     "Namespace",
     "ObjectKey",
     "full_block_key",
@@ -161,6 +163,65 @@ def full_block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list
 def _full_block_hasher(namespace_digest: bytes) -> hashlib.blake2b:
     """BLAKE2b keyed with a namespace, before any data: copied for each full-block key."""
     return hashlib.blake2b(digest_size=KEY_NBYTES, key=namespace_digest, person=_PERSON_FULL)
+
+
+class KeyCache:
+    """Full-block keys of the block hashes seen last, under one namespace.
+
+    A prefix hit names KV blocks an earlier request computed, whose keys rank zero made when
+    it published them; a request whose prompt shares a 32K-token prefix (a repeated system
+    prompt, the samples of one prompt, the next turn of a conversation) would otherwise key
+    2048 hashes again on the engine's step thread. Keys are a pure function of namespace and
+    hash, so the cache changes no result; it keeps up to ``max_entries`` hashes (about 200
+    bytes each; more only while one request alone has more) and drops the older half when
+    full.
+    """
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        if max_entries < 2:
+            raise ValueError("KeyCache.max_entries must be at least 2")
+        self._max = max_entries
+        self._digest = b""  # the namespace the cached keys were made under
+        self._keys: dict[bytes, ObjectKey] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys_of(self, namespace: Namespace, block_hashes: list[bytes]) -> list[ObjectKey]:
+        """:func:`full_block_keys` of ``block_hashes`` (``bytes``), cached."""
+        if namespace.digest != self._digest:
+            self._keys.clear()
+            self._digest = namespace.digest
+        cached = self._keys
+        if len(block_hashes) == 1:  # the usual decode step: one new block
+            key = cached.get(block_hashes[0])
+            if key is None:
+                (key,) = full_block_keys(namespace, block_hashes)
+                if len(cached) >= self._max:
+                    self._make_room(1)
+                cached[block_hashes[0]] = key
+            return [key]
+        keys = list(map(cached.get, block_hashes))
+        if None not in keys:
+            return keys  # type: ignore[return-value]  # no None in it
+        missing = [h for h, key in zip(block_hashes, keys, strict=True) if key is None]
+        made = full_block_keys(namespace, missing)
+        self._make_room(len(made))
+        cached.update(zip(missing, made, strict=True))
+        if len(made) == len(keys):
+            return made
+        fresh = iter(made)
+        return [key if key is not None else next(fresh) for key in keys]
+
+    def _make_room(self, count: int) -> None:
+        """If ``count`` more would not fit, drop the oldest (insertion order): at least half,
+        so trimming is rare, and enough that ``count`` fits if it can."""
+        cached = self._keys
+        excess = len(cached) + count - self._max
+        if excess > 0:
+            drop = min(len(cached), max(excess, len(cached) // 2))
+            for old in list(itertools.islice(cached, drop)):
+                del cached[old]
 
 
 def tail_block_key(namespace: Namespace, tail_hash: bytes, num_tokens: int) -> ObjectKey:

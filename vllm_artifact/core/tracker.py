@@ -32,7 +32,7 @@ import numpy as np
 from vllm_artifact.core.buffer import RequestRowBuffer, gather_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
-from vllm_artifact.core.keys import Namespace, ObjectKey, full_block_keys, tail_block_key
+from vllm_artifact.core.keys import KeyCache, Namespace, ObjectKey, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
@@ -229,6 +229,7 @@ class RequestTracker:
         self._ready_at = np.full(64, -1, dtype=np.int64)
         self._pinned: dict[int, ObjectKey] = {}  # eviction id of a KV block -> object pinned
         self.namespace = Namespace(model_id, layout, "default")
+        self._key_cache = KeyCache()  # a prefix hit's blocks were keyed when published
         self.unmatched_evictions = 0  # KV evictions of blocks we never pinned
         self.reads = 0  # objects read for KV-cache hits
         self.tails_published = 0
@@ -261,14 +262,23 @@ class RequestTracker:
 
     def add_block_hashes_of(self, updates: Mapping[str, Iterable[bytes]]) -> None:
         """:meth:`add_block_hashes` for many requests (one step's), published as one batch."""
+        tracks = self._tracks
+        updated = [
+            (track, list(map(bytes, block_hashes)))
+            for request_id, block_hashes in updates.items()
+            if (track := tracks.get(request_id)) is not None
+        ]
+        if not updated:
+            return
+        # The step's keys in one call: one new block each for most requests in decode.
+        every = updated[0][1] if len(updated) == 1 else [h for _, hs in updated for h in hs]
+        keys = self._key_cache.keys_of(self.namespace, every)
         ready: list[BlockRun | PinChange] = []
-        for request_id, block_hashes in updates.items():
-            track = self._tracks.get(request_id)
-            if track is None:
-                continue
-            hashes = list(map(bytes, block_hashes))
+        at = 0
+        for track, hashes in updated:
             track.hashes.extend(hashes)
-            track.keys.extend(full_block_keys(self.namespace, hashes))
+            track.keys.extend(keys[at : at + len(hashes)])
+            at += len(hashes)
             ready += self._keyed_blocks(track)
         self._submit(ready)
 

@@ -172,8 +172,8 @@ class KeyCache:
     it published them; a request whose prompt shares a 32K-token prefix (a repeated system
     prompt, the samples of one prompt, the next turn of a conversation) would otherwise key
     2048 hashes again on the engine's step thread. Keys are a pure function of namespace and
-    hash, so the cache changes no result; it keeps up to ``max_entries`` hashes (about 200
-    bytes each; more only while one request alone has more) and drops the older half when
+    hash, so the cache changes no result; it keeps up to ``max_entries`` hashes (about 170
+    bytes each, 11 MiB at the default; more only while one request alone has more) and drops the older half when
     full.
     """
 

@@ -173,8 +173,8 @@ class KeyCache:
     prompt, the samples of one prompt, the next turn of a conversation) would otherwise key
     2048 hashes again on the engine's step thread. Keys are a pure function of namespace and
     hash, so the cache changes no result; it keeps up to ``max_entries`` hashes (about 170
-    bytes each, 11 MiB at the default; more only while one request alone has more) and drops the older half when
-    full.
+    bytes each, 11 MiB at the default; more only while one request alone has more) and drops
+    the older half when full.
     """
 
     def __init__(self, max_entries: int = 1 << 16) -> None:

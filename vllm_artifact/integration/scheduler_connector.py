@@ -42,7 +42,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_blo
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
-from vllm_artifact.core.keys import ObjectKey, full_block_keys, tail_block_key
+from vllm_artifact.core.keys import KeyCache, ObjectKey, tail_block_key
 from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_id
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
@@ -91,6 +91,9 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         # store and key context (arrives with the worker's first step output).
         self._keys_requests: dict[str, list[ObjectKey]] = {}
         self._keys_context: KeysContext | None = None
+        # Keys-only requests that share a prompt prefix (the samples of one prompt, the turns
+        # of a conversation) share its blocks' keys: made once on this thread, not per request.
+        self._key_cache = KeyCache()
 
     def observe_kv_events(self, events: list[Any] | None) -> None:
         """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
@@ -261,7 +264,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         namespace = context.namespace(self.weight_version)
         block_hashes = request.block_hashes
         if len(block_hashes) > len(keys):
-            keys += full_block_keys(namespace, block_hashes[len(keys) :])
+            keys += self._key_cache.keys_of(namespace, list(block_hashes[len(keys) :]))
         if not request.is_finished() or request.status not in _PUBLISH_TAIL_STATUSES:
             return None
         executed = request.num_tokens - 1

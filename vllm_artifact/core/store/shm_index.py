@@ -27,7 +27,6 @@ __all__ = ["BUCKET_WAYS", "HashIndex", "index_buckets_for"]
 BUCKET_WAYS = 8
 _LOW32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
-_TAG = np.uint64(0xFFFFFFFF00000000)  # an entry's (and a key's) tag bits
 _CHUNK = 4096
 #: numpy (2.3, measured) keeps the GIL in array operations over at most this many items
 #: (docs/design.md, "The step path keeps the GIL").
@@ -84,12 +83,9 @@ class HashIndex:
         step thread needs for its prefix-hit reads (docs/design.md, "The step path keeps the
         GIL").
         """
-        k0 = words[:, 0]
-        buckets = np.empty((len(words), 2), dtype=np.intp)
-        buckets[:, 0] = k0 & self._mask
-        buckets[:, 1] = (k0 >> _S32) & self._mask
-        entries = self._buckets[buckets.reshape(-1)].view("<u8")  # [keys * 16]
-        tags = np.repeat(words[:, 1] & _TAG, 2 * BUCKET_WAYS)
+        b1, b2, tag = self._route(words)
+        entries = self._buckets[np.stack((b1, b2), axis=1).reshape(-1)].view("<u8")  # [keys * 16]
+        tags = np.repeat(tag, 2 * BUCKET_WAYS)
         if _KEEPS_GIL < len(entries) <= _GIL_KEEPING_KEYS * 2 * BUCKET_WAYS:
             # A prefix hit of up to 248 blocks: the tag test in slices of array operations
             # small enough to keep the GIL (larger reads release it in their copy anyway).

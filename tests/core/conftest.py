@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from vllm_artifact.core import Namespace, ObjectKey, R3Layout, full_block_key
+from vllm_artifact.core.store import ShmStore
+from vllm_artifact.core.store.shm_arena import ArenaGeometry
 
 # Small geometry: 6 layers (layer 2 dense) x top-4, 16-token blocks = 384 B/block.
 SMALL = R3Layout(num_layers=6, top_k=4, num_experts=64, block_size=16, dense_layers=(2,))
@@ -49,6 +51,12 @@ def rows_for(layout: R3Layout, seed: int, n_tokens: int | None = None) -> np.nda
     rows = rng.integers(0, layout.num_experts, size=(n, *layout.row_shape)).astype(layout.dtype)
     layout.mark_dense(rows)
     return rows
+
+
+def open_writer(root: str, layout: R3Layout, slots: int = 64) -> ShmStore:
+    """A writable store under ``root`` sized for ``slots`` blocks."""
+    cap = ArenaGeometry(layout, slots).file_nbytes
+    return ShmStore.create_or_open_writer(root, "s", layout=layout, capacity_bytes=cap)
 
 
 def key_for(namespace: Namespace, i: int) -> ObjectKey:

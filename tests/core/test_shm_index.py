@@ -8,12 +8,10 @@ import pytest
 
 from vllm_artifact.core import Namespace, ObjectKey, R3Layout
 from vllm_artifact.core.keys import full_block_keys, keys_to_words
-from vllm_artifact.core.store import ShmStore
-from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.core.store.shm_index import BUCKET_WAYS, HashIndex
 from vllm_artifact.errors import ObjectMissingError
 
-from .conftest import gil_releases, rows_for
+from .conftest import gil_releases, open_writer, rows_for
 
 DEEPSEEK_V3 = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
 
@@ -22,11 +20,6 @@ def crafted_key(word0: int, word1: int) -> ObjectKey:
     """A key with chosen words: ``word0`` picks its two buckets, the upper half of ``word1`` is
     its tag."""
     return ObjectKey(word0.to_bytes(8, "little") + word1.to_bytes(8, "little"))
-
-
-def open_writer(root: str, layout: R3Layout, slots: int = 64) -> ShmStore:
-    cap = ArenaGeometry(layout, slots).file_nbytes
-    return ShmStore.create_or_open_writer(root, "ix", layout=layout, capacity_bytes=cap)
 
 
 def test_probe_lists_every_entry_with_the_keys_tag_in_key_order() -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.envelope import HEADER_NBYTES
 from vllm_artifact.core.store import ObjectStore, ScrubReport, ShmStore, check_shm_space
-from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
+from vllm_artifact.core.store.shm_arena import ARENA_NAME
 from vllm_artifact.errors import (
     CapacityError,
     KeyCollisionError,
@@ -29,12 +29,7 @@ from vllm_artifact.errors import (
     StoreReadOnlyError,
 )
 
-from .conftest import key_for, rows_for
-
-
-def open_writer(root: str, layout: R3Layout, slots: int = 64) -> ShmStore:
-    cap = ArenaGeometry(layout, slots).file_nbytes
-    return ShmStore.create_or_open_writer(root, "s", layout=layout, capacity_bytes=cap)
+from .conftest import key_for, open_writer, rows_for
 
 
 def test_round_trip_get_exists_read_into(

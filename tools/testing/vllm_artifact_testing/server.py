@@ -69,15 +69,30 @@ def vllm_servers(
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-serve-"))
     servers: list[RunningServer] = []
     ports: set[int] = set()
+
+    def start(model: str | Path, extra_args: Sequence[str]) -> RunningServer:
+        port = free_port()
+        while port in ports:  # none has bound its port yet: never hand one out twice
+            port = free_port()
+        ports.add(port)
+        return _start(model, extra_args, log_dir, port)
+
     try:
         for model, extra_args in specs:
-            port = free_port()
-            while port in ports:  # none has bound its port yet: never hand one out twice
-                port = free_port()
-            ports.add(port)
-            servers.append(_start(model, extra_args, log_dir, port))
-        for server in servers:
-            _wait_ready(server, startup_timeout)
+            servers.append(start(model, extra_args))
+        for i, (model, extra_args) in enumerate(specs):
+            # A free port is only free until someone binds it: another process (or a server
+            # started here, for its engine's ZMQ sockets) may take it before this server
+            # does, which it reports as EADDRINUSE at start-up. Then start it on another.
+            for attempt in range(1, _START_ATTEMPTS + 1):
+                try:
+                    _wait_ready(servers[i], startup_timeout)
+                    break
+                except _PortTaken:
+                    if attempt == _START_ATTEMPTS:
+                        raise
+                    _stop(servers[i].process)
+                    servers[i] = start(model, extra_args)
         yield servers
     finally:
         for server in servers:
@@ -105,11 +120,21 @@ def _start(model: str | Path, extra_args: Sequence[str], log_dir: Path, port: in
     return RunningServer(f"http://127.0.0.1:{port}", process, log_path)
 
 
+_START_ATTEMPTS = 3
+#: How ``vllm serve`` reports that its HTTP port was taken (``OSError`` errno 98).
+_PORT_TAKEN_MESSAGE = "Address already in use"
+
+
+class _PortTaken(RuntimeError):
+    """The server exited at start-up because its port was bound by someone else."""
+
+
 def _wait_ready(server: RunningServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(
+            error = _PortTaken if _PORT_TAKEN_MESSAGE in server.log_tail() else RuntimeError
+            raise error(
                 f"vllm serve exited with code {server.process.returncode} before it was ready; "
                 f"log tail:\n{server.log_tail()}"
             )

@@ -72,11 +72,14 @@ def server_sets(name: str, data: dict[str, Any]) -> dict[str, list[ServerSet]]:
 
 
 def run_starts(dates: list[str]) -> str:
-    """``2026-12-01 09:45-13:29`` for ISO start times of one day, else the dates listed."""
+    """``2026-12-01 09:45-13:29`` for ISO start times of one day, ``2026-12-01 09:45 -
+    2026-12-02 00:19`` over several days (a title must stay one line), else the dates listed."""
     days = {d[:10] for d in dates}
-    if len(days) == 1 and all(len(d) >= 16 for d in dates):
-        times = sorted(d[11:16] for d in dates)
-        return f"{days.pop()} {times[0]}-{times[-1]} (run starts)"
+    if all(len(d) >= 16 for d in dates):
+        starts = sorted(d[:16].replace("T", " ") for d in dates)
+        if len(days) == 1:
+            return f"{days.pop()} {starts[0][11:]}-{starts[-1][11:]} (run starts)"
+        return f"{starts[0]} - {starts[-1]} (run starts)"
     return " / ".join(sorted(d[:16] for d in dates))
 
 

@@ -133,10 +133,11 @@ def _wait_ready(server: RunningServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            error = _PortTaken if _PORT_TAKEN_MESSAGE in server.log_tail() else RuntimeError
+            tail = server.log_tail()
+            error = _PortTaken if _PORT_TAKEN_MESSAGE in tail else RuntimeError
             raise error(
                 f"vllm serve exited with code {server.process.returncode} before it was ready; "
-                f"log tail:\n{server.log_tail()}"
+                f"log tail:\n{tail}"
             )
         with contextlib.suppress(requests.RequestException):
             if requests.get(server.base_url + "/health", timeout=2).status_code == 200:

@@ -21,11 +21,12 @@ plus ``pybase64.b64encode``). Timed side by side, round robin, on the same 14.5 
 Targets (issue 6): ours <= 1.25x vLLM's path and <= 8 ms in total; client decode <= 6 ms.
 
 "As served" lines add what both paths also pay inside vLLM for a realistic request
-(32761-token prompt, 32752 tokens served by the prefix cache, 8 generated tokens): the
-concatenation of store rows with the rows computed in the same step, and the
-``OutputProcessor``'s concatenation of the per-step chunks at finish (which ours makes into an
-``.npy`` file, so its encoding needs no further copy). "Alternative" lines time paths nothing
-runs (see the end of the output and docs/benchmarks.md).
+(32761-token prompt, 32752 tokens served by the prefix cache, 8 generated tokens): the rows
+of the first step, where vLLM's worker concatenates the store rows with the rows computed in
+that step (ours reads the store rows into the step's array, ``RequestTracker._emit``, so it
+makes no such copy), and the ``OutputProcessor``'s concatenation of the per-step chunks at
+finish (which ours makes into an ``.npy`` file, so its encoding needs no further copy).
+"Alternative" lines time paths nothing runs (see the end of the output and docs/benchmarks.md).
 
 Two allocator regimes, each in its own process: ``default`` (glibc as configured: every
 multi-MiB ``bytes``/``str`` is a fresh ``mmap`` whose pages fault in on first touch, ~3 us per
@@ -228,9 +229,11 @@ def measure(
         return numpy2base64(np.concatenate([chunk0, *decode_rows]))  # OutputProcessor
 
     def s_served() -> str:
-        out = layout.empty(hit)  # RequestTracker._read_span
-        store.read_into(keys[:hit_blocks], out, token_start=0)
-        chunk0 = np.concatenate((out, computed))
+        # RequestTracker._emit: one array for the step's rows, the store rows read straight
+        # into it (_read_span), the computed rows copied after them: no concatenation
+        chunk0 = layout.empty(prompt)
+        store.read_into(keys[:hit_blocks], chunk0[:hit], token_start=0)
+        chunk0[hit:] = computed
         # our frontend hook (terminal_output): the OutputProcessor's concatenation goes into
         # an .npy file, and the serving layer's numpy2base64 is encode_npy_base64
         merged = concatenate_into_npy([chunk0, *decode_rows])

@@ -74,6 +74,12 @@ CONCURRENCY = 256
 PREFIX_BLOCKS = 64  # 1024-token prefix hit for new requests
 NEW_REQUEST_EVERY = 4  # steps
 EVICTIONS_PER_STEP = 16  # a full KV cache frees about as many blocks as the batch fills
+# --workload prefill: the shape of bench_e2e's prefill workload at DeepSeek-V3's R3 size.
+PREFILL_TOKEN_BUDGET = 8192  # tokens per step (max_num_batched_tokens), chunked prefill
+PREFILL_SHARED_BLOCKS = 16  # a 256-token shared prefix, a prefix hit read from the store
+PREFILL_MAX_RUNNING = 64
+PREFILL_OUTPUT_TOKENS = 4
+PREFILL_EVICTIONS_PER_STEP = PREFILL_TOKEN_BUDGET // LAYOUT.block_size
 WARM_UP_STEPS = 20
 TARGET_SCHEDULER_MS = 0.3
 TARGET_WORKER_MS = 0.5
@@ -91,13 +97,28 @@ PREFIX_HASHES = [block_hash(0, i) for i in range(PREFIX_BLOCKS)]
 class FakeRequest:
     """The attributes the scheduler connectors read from a vLLM ``Request``."""
 
-    def __init__(self, request_id: str, prefix_tag: int, own_tag: int, prompt_blocks: int) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prefix_tag: int,
+        own_tag: int,
+        prompt_blocks: int,
+        shared_blocks: int | None = None,
+    ) -> None:
+        """``shared_blocks`` of the ``prompt_blocks`` (all by default) carry ``prefix_tag``'s
+        hashes; the KV cache holds them, so the request's first step starts after them (or at
+        its last prompt token, if the whole prompt is shared)."""
+        bs = LAYOUT.block_size
+        shared = prompt_blocks if shared_blocks is None else shared_blocks
         self.request_id = request_id
         self.tag = own_tag  # blocks after the shared prefix are this request's own
-        self.own_from = 0 if prefix_tag == own_tag else prompt_blocks  # first own block
-        self.num_prompt_tokens = prompt_blocks * LAYOUT.block_size + 1
+        self.own_from = 0 if prefix_tag == own_tag else shared  # first own block
+        self.num_prompt_tokens = prompt_blocks * bs + 1
         self.num_tokens = self.num_prompt_tokens
-        self.block_hashes = [block_hash(prefix_tag, i) for i in range(prompt_blocks)]
+        self.block_hashes = [block_hash(prefix_tag, i) for i in range(shared)]
+        self.block_hashes += [block_hash(own_tag, i) for i in range(shared, prompt_blocks)]
+        # Tokens in the KV cache (bench state; the connectors read it from the input batch).
+        self.num_computed = self.num_tokens - 1 if shared == prompt_blocks else shared * bs
         self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0, extra_args=None)
         self.status = RequestStatus.RUNNING
         self.lora_request = None
@@ -117,6 +138,7 @@ class FakeRequest:
         return [7] * self.num_tokens
 
     def decode_one(self) -> None:
+        self.num_computed = self.num_tokens
         self.num_tokens += 1
         full = self.num_tokens // LAYOUT.block_size
         while len(self.block_hashes) < full:
@@ -180,8 +202,10 @@ class Config:
         capturer: StandInCapturer,
         write_log: WriteLog,
         replay_writes: Callable[[], float],
+        workload: str = "decode",
     ) -> None:
         self.name = name
+        self.workload = workload
         self.write_log = write_log
         # CPU seconds of redoing every store write of the run on the main thread, alone.
         self.replay_writes = replay_writes
@@ -194,6 +218,7 @@ class Config:
         self.steps = 0
         # Blocks of finished requests, oldest first: what a full KV cache evicts next.
         self.evictable: collections.deque[bytes] = collections.deque()
+        self.stopped: list[FakeRequest] = []  # prefill: finished in the last step
         self.scheduler_ms: list[float] = []  # CPU time of the step thread (the targets)
         self.worker_ms: list[float] = []
         self.scheduler_wall_ms: list[float] = []  # wall time: also waits for the GIL
@@ -221,7 +246,9 @@ class Config:
         self.next_id += 1
         return request
 
-    def step(self) -> None:
+    def _schedule_decode(self) -> tuple[list[FakeRequest], dict[str, int], bool]:
+        """Every request decodes one token; every few steps one finishes and a new one with
+        a prefix hit arrives (its first step computes only the token after the prefix)."""
         requests = self.requests
         finished: list[FakeRequest] = []
         if len(requests) < CONCURRENCY:
@@ -234,23 +261,58 @@ class Config:
             self.evictable.extend(victim.block_hashes[victim.own_from :])
             new = self._new_request(hit=True)
             requests[new.request_id] = new
-        n = len(requests)
-        scheduler_output = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(requests, 1))
-        # A new request's first step computes only the token after its cached prefix.
+        return finished, dict.fromkeys(requests, 1), bool(finished)
+
+    def _schedule_prefill(self) -> tuple[list[FakeRequest], dict[str, int], bool]:
+        """vLLM's chunked prefill within a token budget: the running requests first (decode
+        tokens, the rest of a chunked prompt), then new requests while the budget lasts."""
+        finished, self.stopped = self.stopped, []
+        scheduled: dict[str, int] = {}
+        budget = PREFILL_TOKEN_BUDGET
+        for request in self.requests.values():
+            n = min(request.num_tokens - request.num_computed, budget)
+            if n == 0:
+                break
+            scheduled[request.request_id] = n
+            budget -= n
+        arrived = False
+        while budget and len(self.requests) < PREFILL_MAX_RUNNING:
+            own = 1000 + self.next_id
+            request = FakeRequest(f"r{self.next_id}", 0, own, PREFIX_BLOCKS, PREFILL_SHARED_BLOCKS)
+            self.next_id += 1
+            self.requests[request.request_id] = request
+            n = min(request.num_tokens - request.num_computed, budget)
+            scheduled[request.request_id] = n
+            budget -= n
+            arrived = True
+        return finished, scheduled, arrived
+
+    def step(self) -> None:
+        prefill = self.workload == "prefill"
+        finished, scheduled, hit = self._schedule_prefill() if prefill else self._schedule_decode()
+        requests = self.requests
+        batch = [requests[request_id] for request_id in scheduled]
+        counts = list(scheduled.values())
+        n = len(batch)
+        scheduler_output = SimpleNamespace(num_scheduled_tokens=scheduled)
+        query_start_loc = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
         input_batch = SimpleNamespace(
-            req_ids=list(requests),
-            query_start_loc_np=np.arange(n + 1, dtype=np.int32),
-            num_computed_tokens_np=np.array(
-                [r.num_tokens - 1 for r in requests.values()], dtype=np.int32
-            ),
+            req_ids=list(scheduled),
+            query_start_loc_np=query_start_loc,
+            num_computed_tokens_np=np.array([r.num_computed for r in batch], dtype=np.int32),
         )
-        self.capturer.rows = self.rng.integers(0, 256, (n, 58, 8), dtype=np.uint8)
-        num_sampled = np.ones(n, dtype=np.int32)
+        self.capturer.rows = self.rng.integers(
+            0, 256, (int(query_start_loc[-1]), 58, 8), dtype=np.uint8
+        )
+        # A request samples once its scheduled tokens reach its last token (a chunk of a
+        # longer prompt samples nothing).
+        completes = [r.num_computed + c == r.num_tokens for r, c in zip(batch, counts, strict=True)]
+        num_sampled = np.array(completes, dtype=np.int32)
         num_rejected = np.zeros(n, dtype=np.int32)
 
-        evicted = [
-            self.evictable.popleft() for _ in range(min(EVICTIONS_PER_STEP, len(self.evictable)))
-        ]
+        evictions = PREFILL_EVICTIONS_PER_STEP if prefill else EVICTIONS_PER_STEP
+        evicted = [self.evictable.popleft() for _ in range(min(evictions, len(self.evictable)))]
         events = [
             BlockRemoved([maybe_convert_block_hash(BlockHash(h)) for h in evicted], medium="GPU")
         ]
@@ -267,13 +329,27 @@ class Config:
         pending.enqueue_cpu_copy(num_sampled, num_rejected)
         output = pending.process_output()
         c2, t2 = time.thread_time(), time.perf_counter()
-        # vLLM appends the sampled token before it asks the connector for the step's rows.
-        for request in requests.values():
+        # vLLM appends the sampled token (and stops a request at its length) before it asks
+        # the connector for the step's rows, of the requests that sampled.
+        sampled: list[FakeRequest] = []
+        stopped: list[FakeRequest] = []
+        for request, count, done in zip(batch, counts, completes, strict=True):
+            if not done:
+                request.num_computed += count
+                continue
             request.decode_one()
+            sampled.append(request)
+            if prefill and request.num_output_tokens >= PREFILL_OUTPUT_TOKENS:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                stopped.append(request)
         c2b, t2b = time.thread_time(), time.perf_counter()
-        taken = [self.scheduler.take_output(request, output) for request in requests.values()]
+        taken = [self.scheduler.take_output(request, output) for request in sampled]
         c3, t3 = time.thread_time(), time.perf_counter()
         assert all(rows is not None and len(rows) for rows in taken), "every request has rows"
+        for request in stopped:  # vLLM frees them; request_finished runs in the next step
+            del requests[request.request_id]
+            self.evictable.extend(request.block_hashes[request.own_from :])
+        self.stopped.extend(stopped)
         self.write_log.settle()
         self.steps += 1
         if self.steps > WARM_UP_STEPS:
@@ -281,7 +357,7 @@ class Config:
             self.worker_ms.append((c2 - c1) * 1e3)
             self.scheduler_wall_ms.append((t1 - t0 + t3 - t2b) * 1e3)
             self.worker_wall_ms.append((t2 - t1) * 1e3)
-            self.hit_steps.append(bool(finished))
+            self.hit_steps.append(hit)
             self.timed_steps += 1
 
     def run(self, steps: int) -> None:
@@ -311,7 +387,7 @@ def writer_cpu_seconds(name: str) -> float:
     raise RuntimeError(f"no thread {name!r}: the store writer did not start")
 
 
-def ours(root: str) -> tuple[Config, Callable[[], None]]:
+def ours(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
     store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=256 << 20)
     publisher = BackgroundPublisher(store)
 
@@ -363,10 +439,11 @@ def ours(root: str) -> tuple[Config, Callable[[], None]]:
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
-    return Config("ours", scheduler, worker, capturer, log, replay_writes), worker.close
+    config = Config("ours", scheduler, worker, capturer, log, replay_writes, workload)
+    return config, worker.close
 
 
-def vllms_own() -> tuple[Config, Callable[[], None]]:
+def vllms_own(workload: str) -> tuple[Config, Callable[[], None]]:
     def new_store() -> BlockObjectStore:
         return BlockObjectStore(max_bytes=256 << 20, object_nbytes=LAYOUT.block_nbytes)
 
@@ -427,24 +504,30 @@ def vllms_own() -> tuple[Config, Callable[[], None]]:
     worker._pending_outputs = []
     worker._lock = threading.Lock()
     worker._max_concurrent_batches = 1
-    return (
-        Config("vLLM's own", AuxOutputSchedulerConnector(), worker, capturer, log, replay_writes),
-        worker.close,
-    )
+    scheduler = AuxOutputSchedulerConnector()
+    config = Config("vLLM's own", scheduler, worker, capturer, log, replay_writes, workload)
+    return config, worker.close
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=120, help="steps per round and config")
+    parser.add_argument(
+        "--workload",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="decode: the issue's 256 decoding requests (the targets); prefill: chunked "
+        f"prefill of 1025-token prompts, {PREFILL_TOKEN_BUDGET} tokens per step (no target)",
+    )
     args = parser.parse_args()
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
     os.mkdir(root, 0o700)
     closers: list[Callable[[], None]] = []
     try:
         configs = []
-        for make in (lambda: ours(root), vllms_own):
-            config, close = make()
+        for make in (ours, lambda _root, workload: vllms_own(workload)):
+            config, close = make(root, args.workload)
             configs.append(config)
             closers.append(close)
         for _ in range(args.rounds):
@@ -465,10 +548,24 @@ def report(configs: list[Config]) -> None:
         ordered = sorted(values)
         return statistics.median(ordered), ordered[int(0.9 * len(ordered))]
 
+    decode = configs[0].workload == "decode"
+    bs = LAYOUT.block_size
+    shape = f"R3 {LAYOUT.num_layers}x{LAYOUT.top_k} uint8, block {bs}"
+    if decode:
+        what = (
+            f"{CONCURRENCY} decoding requests, {shape}, a new request with a "
+            f"{PREFIX_BLOCKS * bs}-token prefix hit every {NEW_REQUEST_EVERY} steps"
+        )
+    else:
+        what = (
+            f"chunked prefill, {PREFILL_TOKEN_BUDGET} tokens per step, up to "
+            f"{PREFILL_MAX_RUNNING} requests of {PREFIX_BLOCKS * bs + 1}-token prompts (a "
+            f"{PREFILL_SHARED_BLOCKS * bs}-token prefix hit from the store) and "
+            f"{PREFILL_OUTPUT_TOKENS} output tokens, {shape}; no target (the issue's are for "
+            "decode)"
+        )
     print(
-        f"{CONCURRENCY} decoding requests, R3 {LAYOUT.num_layers}x{LAYOUT.top_k} uint8, "
-        f"block {LAYOUT.block_size}, a new request with a {PREFIX_BLOCKS * 16}-token prefix hit "
-        f"every {NEW_REQUEST_EVERY} steps; {len(configs[0].worker_ms)} timed steps per config; "
+        f"{what}; {len(configs[0].worker_ms)} timed steps per config; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     print(
@@ -482,7 +579,7 @@ def report(configs: list[Config]) -> None:
             wall, wall_p90 = stats(getattr(config, f"{side}_wall_ms"))
             medians[side, config.name] = median
             verdict = ""
-            if config.name == "ours":
+            if config.name == "ours" and decode:
                 verdict = f"  target <= {target} ms: {'PASS' if median <= target else 'MISS'}"
             print(
                 f"  {side:<9} {config.name:<10} CPU median {median:6.3f} ms (p90 {p90:6.3f}), "
@@ -492,7 +589,7 @@ def report(configs: list[Config]) -> None:
         print(f"  {side:<9} ours / vLLM's own (CPU medians): {ratio:.2f}x")
     # The p90 steps are those where a request arrives: the worker reads its prefix hit's R3
     # from the store (ours) and the step thread may wait for the GIL there.
-    for config in configs:
+    for config in configs if decode else ():  # in prefill every step has a prefix hit
         for kind, wanted in (("prefix-hit steps", True), ("other steps", False)):
             picked = [
                 (c, w)

@@ -246,6 +246,85 @@ def test_normal_finish_publishes_the_terminal_partial_block(
     np.testing.assert_array_equal(tail, rows[BS:])
 
 
+def submissions_of(publisher: BackgroundPublisher, monkeypatch: pytest.MonkeyPatch) -> list[list]:
+    """What ``publisher.submit`` is given from now on (it still publishes)."""
+    seen: list[list] = []
+    submit = publisher.submit
+
+    def recording(runs: list) -> None:
+        seen.append(list(runs))
+        submit(runs)
+
+    monkeypatch.setattr(publisher, "submit", recording)
+    return seen
+
+
+def test_tails_of_one_steps_finished_requests_go_in_one_submission(
+    tracker: Parts, layout: R3Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill-heavy step finishes many requests: one store batch for their tails, not one
+    each (the scheduler's finishes arrive together, and so do the teardowns of requests that
+    finished while their step ran)."""
+    t, store, publisher = tracker
+    rows = {rid: rows_for(layout, 20 + i, BS + 5) for i, rid in enumerate("abcd")}
+    tails = {rid: TailBlock(hashlib.sha256(rid.encode()).digest(), BS, 5) for rid in rows}
+    for rid in "abcd":
+        t.admit(rid, 0)
+        t.add_block_hashes(rid, hashes(rid, 1))
+    seen = submissions_of(publisher, monkeypatch)
+    t.step_started(["a", "b"])
+    t.step_finished(StepBatch.of([StepRows(r, 0, BS + 5, rows[r], True) for r in "ab"]))
+    t.step_started(["c", "d"])
+    tail_keys = {rid: [tail_block_key(t.namespace, tails[rid].hash, 5)] for rid in rows}
+
+    def tail_submissions() -> list[list[list]]:
+        return [
+            [run.keys for run in runs]
+            for runs in seen
+            if any(run.keys in tail_keys.values() for run in runs)
+        ]
+
+    t.finish_all((rid, tails[rid]) for rid in "ab")  # not in flight: torn down at once
+    t.finish_all((rid, tails[rid]) for rid in "cd")  # in flight: torn down by step_finished
+    assert tail_submissions() == [[tail_keys["a"], tail_keys["b"]]]
+    t.step_finished(StepBatch.of([StepRows(r, 0, BS + 5, rows[r], True) for r in "cd"]))
+    assert tail_submissions()[1:] == [[tail_keys["c"], tail_keys["d"]]]
+    assert t.tails_published == 4 and not any(rid in t for rid in "abcd")
+    publisher.flush()
+    for rid in "abcd":
+        (tail,) = store.get([tail_block_key(t.namespace, tails[rid].hash, 5)])
+        np.testing.assert_array_equal(tail, rows[rid][BS:])
+
+
+def test_a_prefill_chunks_blocks_are_published_without_a_copy(
+    tracker: Parts, layout: R3Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocks one step completes lie back to back in the array the buffer hands out: they
+    go to the publisher as one view of it; blocks from different steps are joined by a copy."""
+    t, store, publisher = tracker
+    rows = rows_for(layout, 30, 6 * BS + 1)
+    t.admit("a", 0)
+    seen = submissions_of(publisher, monkeypatch)
+    step(t, "a", 0, rows[: 3 * BS + 2], sampled=False)  # blocks 0-2 complete, unkeyed
+    step(t, "a", 3 * BS + 2, rows[3 * BS + 2 :])  # blocks 3-5 complete in another array
+    t.add_block_hashes("a", hashes("chunk", 6))  # their hashes arrive: one run of six blocks
+    (run,) = [run for s in seen for run in s if isinstance(run, BlockRun)]
+    assert run.keys == full_block_keys(t.namespace, hashes("chunk", 6))
+    np.testing.assert_array_equal(run.rows, rows[: 6 * BS])
+    t.finish("a")
+    seen.clear()
+    t.admit("b", 0)
+    step(t, "b", 0, rows, sampled=False)  # six blocks in one array
+    t.add_block_hashes("b", hashes("chunk-b", 6))
+    (run,) = [run for s in seen for run in s if isinstance(run, BlockRun)]
+    assert run.rows.base is not None and run.rows.flags.c_contiguous  # a view, no copy
+    np.testing.assert_array_equal(run.rows, rows[: 6 * BS])
+    publisher.flush()
+    out = layout.empty(6 * BS)
+    store.read_into(full_block_keys(t.namespace, hashes("chunk-b", 6)), out)
+    np.testing.assert_array_equal(out, rows[: 6 * BS])
+
+
 @pytest.mark.parametrize("extra", [1, 3, BS - 5, BS + 2])
 def test_tail_ignores_rows_past_the_schedulers_last_token(
     tracker: Parts, layout: R3Layout, extra: int

@@ -22,8 +22,9 @@ general per-request path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -57,6 +58,24 @@ def eviction_id(block_hash: bytes | int) -> int:
     if isinstance(block_hash, int):
         return block_hash & _ID_MASK
     return int.from_bytes(bytes(block_hash)[-8:], "big")
+
+
+def _joined(blocks: list[np.ndarray]) -> np.ndarray:
+    """Consecutive blocks of one request as one array: a view when they lie back to back in
+    one array (the blocks one :meth:`RequestRowBuffer.append` completed, e.g. a prefill
+    chunk's: :meth:`RequestTracker._capture` files them in order), else a copy."""
+    first, last = blocks[0], blocks[-1]
+    if len(blocks) == 1:
+        return first
+    base = first.base
+    if type(base) is np.ndarray and base.flags.c_contiguous and all(b.base is base for b in blocks):
+        origin = base.__array_interface__["data"][0]
+        start = first.__array_interface__["data"][0] - origin
+        end = last.__array_interface__["data"][0] - origin + last.nbytes
+        row = base.strides[0]
+        if end - start == len(blocks) * first.nbytes and start % row == 0:
+            return base[start // row : end // row]
+    return np.concatenate(blocks)
 
 
 _ID_MASK = (1 << 64) - 1
@@ -233,6 +252,8 @@ class RequestTracker:
         self.unmatched_evictions = 0  # KV evictions of blocks we never pinned
         self.reads = 0  # objects read for KV-cache hits
         self.tails_published = 0
+        # Tails queued for one submission (:meth:`_one_tail_submission`), or None.
+        self._tail_runs: list[BlockRun | PinChange] | None = None
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._tracks
@@ -323,6 +344,13 @@ class RequestTracker:
         if not self._in_flight(request_id):
             self._teardown(request_id)
 
+    def finish_all(self, finished: Iterable[tuple[str, TailBlock | None]]) -> None:
+        """:meth:`finish` for each ``(request_id, tail)``; the tails go to the publisher as
+        one submission."""
+        with self._one_tail_submission():
+            for request_id, tail in finished:
+                self.finish(request_id, tail=tail)
+
     # ---------------------------------------------------------------- the step
 
     def step_started(self, request_ids: Sequence[str]) -> None:
@@ -405,18 +433,19 @@ class RequestTracker:
                 outputs[request_id] = self._emit(track, token_end)
             except Exception as error:
                 self._fail(request_id, track, error)
-        for i in slow_entries:
-            request_id = ids[i]
-            if request_id not in tracks:
-                continue
-            track = tracks[request_id]
-            if track.failure is not None and not track.failure_sent:
-                outputs[request_id] = track.failure
-                track.failure_sent = True
-            if track.finished and not self._in_flight(request_id):
-                self._teardown(request_id)
-            else:
-                self._enter_fast(request_id, track)
+        with self._one_tail_submission():
+            for i in slow_entries:
+                request_id = ids[i]
+                if request_id not in tracks:
+                    continue
+                track = tracks[request_id]
+                if track.failure is not None and not track.failure_sent:
+                    outputs[request_id] = track.failure
+                    track.failure_sent = True
+                if track.finished and not self._in_flight(request_id):
+                    self._teardown(request_id)
+                else:
+                    self._enter_fast(request_id, track)
         return result
 
     def _decode_fast(
@@ -544,8 +573,7 @@ class RequestTracker:
             while ready and ready[0] == end + 1:
                 end = ready.pop(0)
             blocks = [track.unkeyed.pop(index) for index in range(first, end + 1)]
-            rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-            runs.append(BlockRun(track.keys[first : end + 1], rows, first * bs))
+            runs.append(BlockRun(track.keys[first : end + 1], _joined(blocks), first * bs))
         if pins:
             runs.append(PinChange(pins, pin=True))
         return runs
@@ -570,6 +598,21 @@ class RequestTracker:
             return False
         self._pinned[block_id] = track.keys[index]
         return True
+
+    @contextlib.contextmanager
+    def _one_tail_submission(self) -> Iterator[None]:
+        """Tails published inside go to the publisher together: one store batch for a step's
+        finished requests, not one each (a prefill-heavy step finishes many; the publisher's
+        thread holds the GIL for every batch's fixed cost)."""
+        self._tail_runs = []
+        try:
+            yield
+        finally:
+            runs, self._tail_runs = self._tail_runs, None
+            try:
+                self._submit(runs)
+            except Exception:  # a tail is optional: never let it fail the step
+                logger.exception("vllm-artifact: %d tails not published", len(runs))
 
     def _submit(self, runs: list[BlockRun | PinChange]) -> None:
         """Queue one publication: every block first, then their pins in one change (the
@@ -689,5 +732,9 @@ class RequestTracker:
             )
             return
         key = tail_block_key(self.namespace, tail.hash, n)
-        self._submit([BlockRun([key], np.ascontiguousarray(rows), tail.start)])
+        run = BlockRun([key], np.ascontiguousarray(rows), tail.start)
+        if self._tail_runs is not None:
+            self._tail_runs.append(run)
+        else:
+            self._submit([run])
         self.tails_published += 1

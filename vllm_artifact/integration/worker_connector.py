@@ -256,8 +256,8 @@ class ArtifactWorkerConnector:
             if metadata.kv_cleared:
                 tracker.kv_cleared()
             tracker.kv_evicted(metadata.kv_evicted)
-            for request_id in step.finished_requests:
-                tracker.finish(request_id, tail=metadata.tails.get(request_id))
+            tails = metadata.tails
+            tracker.finish_all((rid, tails.get(rid)) for rid in step.finished_requests)
 
     def prepare_output(self, input_batch: Any) -> PendingArtifactStep | None:
         """Snapshot this step's rows for the asynchronous copy (rank zero only)."""

@@ -603,7 +603,10 @@ class RequestTracker:
     def _one_tail_submission(self) -> Iterator[None]:
         """Tails published inside go to the publisher together: one store batch for a step's
         finished requests, not one each (a prefill-heavy step finishes many; the publisher's
-        thread holds the GIL for every batch's fixed cost)."""
+        thread holds the GIL for every batch's fixed cost). Nested use joins the outer one."""
+        if self._tail_runs is not None:
+            yield
+            return
         self._tail_runs = []
         try:
             yield

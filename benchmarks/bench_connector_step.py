@@ -26,7 +26,13 @@ with each store's writes of the run redone alone on one thread afterwards (no GI
 The worker's steps are also shown split into those where a request with a prefix hit arrives
 (ours reads its R3 from the store) and the others, with the mean time the step thread waited
 for the GIL (wall minus CPU).
-Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]``
+``--workload prefill`` drives prefill-heavy steps instead (no target: the issue's are for
+decode): chunked prefill of 1025-token prompts whose first 256 tokens are a prefix hit read
+from the store, 8192 tokens per step, 4 output tokens each, so about 512 blocks complete and
+ten requests arrive and finish in every step.
+
+Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]
+[--workload decode|prefill]``
 """
 
 from __future__ import annotations

@@ -117,6 +117,34 @@ def test_prefix_hit_rows_come_from_the_store(tracker: Parts, layout: R3Layout) -
     assert t.reads == 2
 
 
+def test_requests_of_one_step_with_the_same_prefix_hit_read_it_once(
+    tracker: Parts, layout: R3Layout
+) -> None:
+    """A group of samples of one prompt (or requests sharing a system prompt) arriving in
+    one step: the first reads the store, the others copy its verified rows."""
+    t, _, _ = tracker
+    rows = rows_for(layout, 40, 3 * BS + 5)
+    serve(t, "a", hashes("g", 3), rows)
+    for rid in ("b", "c", "d"):
+        t.admit(rid, 0)
+        t.add_block_hashes(rid, hashes("g", 3))
+    t.step_started(["b", "c", "d"])
+    out = t.step_finished(
+        StepBatch.of(
+            [
+                StepRows("b", 2 * BS, BS + 5, rows[2 * BS :], True),
+                StepRows("c", 2 * BS, BS + 5, rows[2 * BS :], True),
+                StepRows("d", 3 * BS, 5, rows[3 * BS :], True),  # a longer hit: its own read
+            ]
+        )
+    )
+    for rid in ("b", "c", "d"):
+        emitted = out[rid]
+        assert isinstance(emitted, EmittedRows) and emitted.token_start == 0
+        np.testing.assert_array_equal(emitted.rows, rows)
+    assert t.reads == 2 + 3  # b's two blocks, d's three; c copied b's
+
+
 @pytest.mark.parametrize(("emit_start", "cached"), [(5, 2 * BS), (0, 2 * BS - 3), (20, 2 * BS)])
 def test_prefix_hit_rows_from_mid_block_positions(
     tracker: Parts, layout: R3Layout, emit_start: int, cached: int

@@ -30,7 +30,14 @@ import numpy as np
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
-__all__ = ["CompletedBlocks", "FullBlocks", "RequestRowBuffer", "TailRows", "gather_rows"]
+__all__ = [
+    "CompletedBlocks",
+    "FullBlocks",
+    "RequestRowBuffer",
+    "TailRows",
+    "copy_blocks",
+    "gather_rows",
+]
 
 _NO_ROWS = -1  # ``end`` of a slot whose request has not appended yet
 _NO_SLOT = -1
@@ -279,6 +286,20 @@ def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
     # An index of another integer type than intp is converted inside the indexing, which
     # releases the GIL (see _as_items); converting it first does not.
     return _from_items(_as_items(rows)[index.astype(np.intp, copy=False)], rows)
+
+
+def copy_blocks(out: np.ndarray, rows: np.ndarray, block_size: int) -> None:
+    """``out[:] = rows`` for rows of whole blocks, moved as one item per block: a plain copy of
+    more than about 60 KB releases the GIL (see :func:`_as_items`), a copy of up to a few
+    hundred block items keeps it."""
+    if out.shape != rows.shape or len(out) % block_size:
+        raise ValueError(f"copy_blocks: {rows.shape} into {out.shape}, blocks of {block_size}")
+    if not (out.flags.c_contiguous and rows.flags.c_contiguous):
+        out[:] = rows
+        return
+    shape = (-1, block_size, *out.shape[1:])
+    items = _as_items(rows.reshape(shape), per_row=False)
+    _as_items(out.reshape(shape), per_row=False)[:] = items
 
 
 def _as_items(rows: np.ndarray, *, per_row: bool = True) -> np.ndarray:

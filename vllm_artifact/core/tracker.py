@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_artifact.core.buffer import RequestRowBuffer, gather_rows
+from vllm_artifact.core.buffer import RequestRowBuffer, copy_blocks, gather_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.keys import KeyCache, Namespace, ObjectKey, tail_block_key
@@ -79,6 +79,9 @@ def _joined(blocks: list[np.ndarray]) -> np.ndarray:
 
 
 _ID_MASK = (1 << 64) - 1
+
+#: A step's whole-block store reads: (first token, keys) -> the rows read (and verified).
+_StepReads = dict[tuple[int, tuple[ObjectKey, ...]], np.ndarray]
 
 
 class StepRows(NamedTuple):
@@ -428,9 +431,10 @@ class RequestTracker:
                     to_emit.append((request_id, track, token_end))
         # Publish first: a request of this step may hit a block another one just completed.
         self._submit(ready)
+        step_reads: _StepReads = {}
         for request_id, track, token_end in to_emit:
             try:
-                outputs[request_id] = self._emit(track, token_end)
+                outputs[request_id] = self._emit(track, token_end, step_reads)
             except Exception as error:
                 self._fail(request_id, track, error)
         with self._one_tail_submission():
@@ -627,7 +631,12 @@ class RequestTracker:
         assert all(run.pin for run in runs if isinstance(run, PinChange))
         self._publisher.submit([*blocks, PinChange(pins, pin=True)] if pins else blocks)
 
-    def _emit(self, track: _Track, token_end: int) -> EmittedRows:
+    def _emit(
+        self,
+        track: _Track,
+        token_end: int,
+        step_reads: _StepReads | None = None,
+    ) -> EmittedRows:
         """Rows ``[emit_cursor, token_end)``: store rows for a prefix hit, then captured rows."""
         emit_start, pending_start = track.emit_cursor, track.pending_start
         assert pending_start is not None
@@ -636,7 +645,7 @@ class RequestTracker:
             # of the prefix (a concatenation that size releases the GIL, see buffer._as_items).
             rows = self._layout.empty(token_end - emit_start)
             at = pending_start - emit_start
-            self._read_span(track, emit_start, rows[:at])
+            self._read_span(track, emit_start, rows[:at], step_reads)
             for part in track.pending:
                 n = min(len(part), len(rows) - at)
                 rows[at : at + n] = part[:n]
@@ -651,9 +660,20 @@ class RequestTracker:
         track.emit_cursor = token_end
         return EmittedRows(emit_start, rows)
 
-    def _read_span(self, track: _Track, start: int, out: np.ndarray) -> None:
+    def _read_span(
+        self,
+        track: _Track,
+        start: int,
+        out: np.ndarray,
+        step_reads: _StepReads | None = None,
+    ) -> None:
         """Rows ``[start, start + len(out))`` from the store into ``out`` (KV-cache hits;
-        fails closed)."""
+        fails closed).
+
+        With ``step_reads`` (this step's whole-block reads so far), requests of one step with
+        the same prefix hit (a shared prompt, a group of samples of one prompt) copy the rows
+        the first of them read and verified instead of reading them again: a store read has
+        a fixed cost of some 40 small numpy calls."""
         bs = self._layout.block_size
         end = start + len(out)
         first, last = start // bs, -(-end // bs)
@@ -663,9 +683,16 @@ class RequestTracker:
                 "block hashes; R3 for them cannot be located"
             )
         keys = track.keys[first:last]
+        whole = start == first * bs and end == last * bs  # whole blocks (the usual prefix hit)
+        span = (start, tuple(keys))
+        if whole and step_reads is not None and (earlier := step_reads.get(span)) is not None:
+            copy_blocks(out, earlier, bs)
+            return
         self._publisher.flush(keys)  # only if some are still queued
-        if start == first * bs and end == last * bs:  # whole blocks (the usual prefix hit)
+        if whole:
             self._store.read_into(keys, out, token_start=start)
+            if step_reads is not None:
+                step_reads[span] = out
         else:
             blocks = self._layout.empty((last - first) * bs)
             self._store.read_into(keys, blocks, token_start=first * bs)

@@ -246,9 +246,10 @@ class Config:
             request.sampling_params.routed_experts_prompt_start = request.num_prompt_tokens - 1
             self.requests[request.request_id] = request
 
-    def _new_request(self, hit: bool) -> FakeRequest:
+    def _new_request(self, hit: bool, shared_blocks: int | None = None) -> FakeRequest:
         own = 1000 + self.next_id
-        request = FakeRequest(f"r{self.next_id}", 0 if hit else own, own, PREFIX_BLOCKS)
+        prefix_tag = 0 if hit else own
+        request = FakeRequest(f"r{self.next_id}", prefix_tag, own, PREFIX_BLOCKS, shared_blocks)
         self.next_id += 1
         return request
 
@@ -275,21 +276,22 @@ class Config:
         finished, self.stopped = self.stopped, []
         scheduled: dict[str, int] = {}
         budget = PREFILL_TOKEN_BUDGET
-        for request in self.requests.values():
+
+        def schedule(request: FakeRequest) -> None:
+            nonlocal budget
             n = min(request.num_tokens - request.num_computed, budget)
-            if n == 0:
-                break
             scheduled[request.request_id] = n
             budget -= n
+
+        for request in self.requests.values():
+            if not budget:
+                break
+            schedule(request)
         arrived = False
         while budget and len(self.requests) < PREFILL_MAX_RUNNING:
-            own = 1000 + self.next_id
-            request = FakeRequest(f"r{self.next_id}", 0, own, PREFIX_BLOCKS, PREFILL_SHARED_BLOCKS)
-            self.next_id += 1
+            request = self._new_request(hit=True, shared_blocks=PREFILL_SHARED_BLOCKS)
             self.requests[request.request_id] = request
-            n = min(request.num_tokens - request.num_computed, budget)
-            scheduled[request.request_id] = n
-            budget -= n
+            schedule(request)
             arrived = True
         return finished, scheduled, arrived
 
@@ -532,8 +534,8 @@ def main() -> None:
     closers: list[Callable[[], None]] = []
     try:
         configs = []
-        for make in (ours, lambda _root, workload: vllms_own(workload)):
-            config, close = make(root, args.workload)
+        for make in (lambda: ours(root, args.workload), lambda: vllms_own(args.workload)):
+            config, close = make()
             configs.append(config)
             closers.append(close)
         for _ in range(args.rounds):

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
@@ -20,6 +22,7 @@ from vllm_artifact.core.tracker import (
     StepRows,
     TailBlock,
     eviction_id,
+    eviction_ids,
 )
 
 from .conftest import gil_releases, rows_for
@@ -384,6 +387,24 @@ def test_abort_keeps_published_blocks_and_drops_the_rest(tracker: Parts, layout:
     out = hit(t, "b", hashes("x", 1), BS, rows[BS:])
     assert isinstance(out, EmittedRows)
     np.testing.assert_array_equal(out.rows, rows)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(min_value=-(2**70), max_value=2**70),
+            st.integers(min_value=0, max_value=2**64 - 1),
+            st.binary(min_size=8, max_size=32),
+        ),
+        max_size=20,
+    )
+)
+def test_eviction_ids_of_a_kv_event_are_each_hashs_eviction_id(
+    block_hashes: list[bytes | int],
+) -> None:
+    """The batch form takes a shortcut for vLLM's 64-bit ints; any other hash (raw bytes,
+    ints outside 64 bits, a mix) gets the same ids as one call each."""
+    assert eviction_ids(block_hashes) == [eviction_id(h) for h in block_hashes]
 
 
 def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(

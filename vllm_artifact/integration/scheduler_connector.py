@@ -43,7 +43,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
 from vllm_artifact.core.keys import KeyCache, ObjectKey, tail_block_key
-from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_id
+from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_ids
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
 
 _DEFAULT_WEIGHT_VERSION = "default"
@@ -99,7 +99,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
         for event in events or ():
             if isinstance(event, BlockRemoved):
-                self._kv_evicted.extend(eviction_id(h) for h in event.block_hashes)
+                self._kv_evicted += eviction_ids(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self._kv_cleared = True
                 self._kv_evicted.clear()

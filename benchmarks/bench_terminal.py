@@ -28,19 +28,23 @@ makes no such copy), and the ``OutputProcessor``'s concatenation of the per-step
 finish (which ours makes into an ``.npy`` file, so its encoding needs no further copy).
 "Alternative" lines time paths nothing runs (see the end of the output and docs/benchmarks.md).
 
-Two allocator regimes, each in its own process: ``default`` (glibc as configured: every
+Three allocator regimes, each in its own process: ``default`` (glibc as configured: every
 multi-MiB ``bytes``/``str`` is a fresh ``mmap`` whose pages fault in on first touch, ~3 us per
-4 KiB page on this VM, which dominates the encoding) and ``keep`` (``MALLOC_MMAP_THRESHOLD_``
+4 KiB page on this VM, which dominates the encoding), ``keep`` (``MALLOC_MMAP_THRESHOLD_``
 and ``MALLOC_TRIM_THRESHOLD_`` set so freed heap memory is reused: what a long-running server
-sees once its heap has grown). Targets are judged in both.
+sees once its heap has grown) and ``thp`` (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: glibc
+asks for transparent huge pages on its multi-MiB mappings, so a fresh 19 MiB buffer faults in
+as ~10 huge pages instead of ~5,000 small ones, and freed memory still goes back to the
+kernel). Targets are judged in each.
 
 Run: ``.venv/bin/python benchmarks/bench_terminal.py [--reps N] [--tokens T] [--json FILE]``
-(``--malloc default`` or ``--malloc keep`` runs one regime only).
+(``--malloc default``, ``keep`` or ``thp`` runs one regime only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -71,9 +75,16 @@ TARGET_VS_VLLM = 1.25
 TARGET_TOTAL_S = 8e-3
 TARGET_DECODE_S = 6e-3
 GENERATED = 8  # generated tokens of the "as served" request
-#: glibc settings of the ``keep`` regime: no mmap (and no page faults) for buffers up to
-#: 32 MiB, and freed memory stays in the heap for the next request.
-MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+#: glibc settings of each allocator regime (read at process start). ``keep``: no mmap (and no
+#: page faults) for buffers up to 32 MiB, and freed memory stays in the heap for the next
+#: request. ``thp``: multi-MiB mappings are advised as transparent huge pages (glibc >= 2.35,
+#: with /sys/kernel/mm/transparent_hugepage/enabled at ``madvise`` or ``always``).
+REGIMES: dict[str, dict[str, str]] = {
+    "default": {},
+    "keep": {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)},
+    "thp": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+}
+MALLOC_VARIABLES = sorted({k for env in REGIMES.values() for k in env})
 
 
 # ------------------------------------------------------------ alternatives (not used)
@@ -99,17 +110,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--block-size", type=int, default=16, help="KV / R3 block size")
     ap.add_argument(
-        "--malloc", choices=("both", "default", "keep"), default="both", help="regime(s)"
+        "--malloc", choices=("all", *REGIMES), default="all", help="allocator regime(s)"
     )
     ap.add_argument("--json", type=Path, help="write the measurements here (for plotting)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tokens % args.block_size:
         ap.error("--tokens must be a multiple of --block-size")
-    if args.malloc == "keep" and any(os.environ.get(k) != v for k, v in MALLOC_KEEP.items()):
-        # glibc reads these at process start: run this regime in a fresh process.
-        sys.exit(run_child(args, "keep", args.json))
-    regime = "keep" if args.malloc == "keep" else "default"
+    if not args.child:
+        # glibc reads its settings at process start: each regime runs in a fresh process.
+        sys.exit(run_regimes(args, list(REGIMES) if args.malloc == "all" else [args.malloc]))
+    regime = args.malloc
     data: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "tokens": args.tokens,
@@ -122,24 +133,52 @@ def main() -> None:
         },
         "regimes": {regime: run_regime(regime, args.tokens, args.block_size, args.reps)},
     }
-    if args.malloc == "both":
-        with tempfile.TemporaryDirectory() as tmp:
-            child_json = Path(tmp) / "keep.json"
-            if run_child(args, "keep", child_json) == 0:
-                data["regimes"]["keep"] = json.loads(child_json.read_text())["regimes"]["keep"]
     if args.json:
         args.json.write_text(json.dumps(data, indent=2) + "\n")
-        if not args.child:
-            print(f"\nmeasurements written to {args.json}")
 
 
-def run_child(args: argparse.Namespace, regime: str, json_path: Path | None) -> int:
-    cmd = [sys.executable, __file__, "--reps", str(args.reps), "--tokens", str(args.tokens)]
-    cmd += ["--block-size", str(args.block_size), "--malloc", regime, "--child"]
-    if json_path is not None:
-        cmd += ["--json", str(json_path)]
-    sys.stdout.flush()
-    return subprocess.run(cmd, env={**os.environ, **MALLOC_KEEP}, check=False).returncode
+def run_regimes(args: argparse.Namespace, regimes: list[str]) -> int:
+    """Run each regime in a child process with exactly its glibc settings; merge the JSON."""
+    merged: dict[str, Any] = {}
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for regime in regimes:
+            child_json = Path(tmp) / f"{regime}.json"
+            cmd = [sys.executable, __file__, "--reps", str(args.reps), "--tokens"]
+            cmd += [str(args.tokens), "--block-size", str(args.block_size)]
+            cmd += ["--malloc", regime, "--child", "--json", str(child_json)]
+            env = {k: v for k, v in os.environ.items() if k not in MALLOC_VARIABLES}
+            sys.stdout.flush()
+            if subprocess.run(cmd, env={**env, **REGIMES[regime]}, check=False).returncode:
+                failed += 1
+                continue
+            child = json.loads(child_json.read_text())
+            if not merged:
+                merged = {**child, "command": " ".join([Path(sys.executable).name, *sys.argv])}
+            else:
+                merged["regimes"].update(child["regimes"])
+    if args.json and merged:
+        args.json.write_text(json.dumps(merged, indent=2) + "\n")
+        print(f"\nmeasurements written to {args.json}")
+    return 1 if failed else 0
+
+
+def thp_setting() -> str:
+    """The kernel's transparent huge page mode (the bracketed word), or "unknown"."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text.split("[", 1)[-1].split("]", 1)[0] if "[" in text else text.strip()
+
+
+def anon_huge_pages() -> int:
+    """Bytes of this process's anonymous memory in transparent huge pages (0 if unknown)."""
+    with contextlib.suppress(OSError):
+        for row in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if row.startswith("AnonHugePages:"):
+                return int(row.split()[1]) * 1024
+    return 0
 
 
 def run_regime(regime: str, tokens: int, bs: int, reps: int) -> dict[str, Any]:
@@ -148,7 +187,7 @@ def run_regime(regime: str, tokens: int, bs: int, reps: int) -> dict[str, Any]:
     data = np.random.default_rng(0).integers(0, 256, size=(tokens, 58, 8), dtype=np.uint8)
     n_blocks = tokens // bs
     load = os.getloadavg()
-    env = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_KEEP if k in os.environ) or "unset"
+    env = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_VARIABLES if k in os.environ) or "unset"
     print(
         f"\n=== allocator regime {regime!r} (glibc {env})\n"
         f"{tokens} tokens x 58 layers x top-8 uint8 = {data.nbytes / 2**20:.1f} MiB "
@@ -180,8 +219,14 @@ def run_regime(regime: str, tokens: int, bs: int, reps: int) -> dict[str, Any]:
         store.close()
         vstore.close()
         shutil.rmtree(root, ignore_errors=True)
+    huge = anon_huge_pages()
+    print(
+        f"\ntransparent huge pages: {thp_setting()}; this process has {huge / 2**20:.0f} MiB "
+        "of anonymous memory in them"
+    )
     return {
         "load": load,
+        "anon_huge_pages": huge,
         "results_ms": {k: [v[0] * 1e3, v[1] * 1e3] for k, v in results.items()},
     }
 

@@ -44,13 +44,25 @@ def server_plans(store_root: Path) -> dict[str, tuple[list[str], dict[str, str |
 
 @contextlib.contextmanager
 def environ(**values: str | None) -> Iterator[None]:
-    """Set (or, for None, unset) environment variables for the duration of the block."""
+    """Set (or, for None, unset) environment variables for the duration of the block; a
+    server started in it gets ``GLIBC_TUNABLES`` last (see :func:`_glibc_tunables_last`)."""
     old = {name: os.environ.get(name) for name in values}
     try:
+        _glibc_tunables_last()
         _assign(values)
         yield
     finally:
         _assign(old)
+
+
+def _glibc_tunables_last() -> None:
+    """Move ``GLIBC_TUNABLES`` to the end of the environment. The shell's ``VAR=... cmd``
+    form puts it first; glibc's start-up code replaces that entry with a copy elsewhere, and
+    setproctitle then cannot retitle vLLM's engine processes, whose CPU this module finds by
+    their titles (docs/configuration.md)."""
+    value = os.environ.pop("GLIBC_TUNABLES", None)
+    if value is not None:
+        os.environ["GLIBC_TUNABLES"] = value  # unsetenv + setenv: appended to the C environ
 
 
 def _assign(values: dict[str, str | None]) -> None:

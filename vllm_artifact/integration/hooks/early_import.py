@@ -7,47 +7,23 @@ a platform (returns None), so vLLM's platform choice is unchanged. Checked again
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 from types import ModuleType
-from typing import Any
+
+from vllm_artifact.integration.hooks.after_import import is_watched, when_imported
 
 _TARGET = "vllm.engine.arg_utils"
 
 
-class _LoaderThatAppliesHooks(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self._inner = inner
+def _register(module: ModuleType) -> None:
+    from vllm_artifact.integration.plugin import register
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        from vllm_artifact.integration.plugin import register
-
-        register()
-
-
-class _ArgUtilsWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of ``vllm.engine.arg_utils`` once."""
-
-    def find_spec(
-        self, fullname: str, path: Any, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _LoaderThatAppliesHooks(spec.loader)
-        return spec
+    register()
 
 
 def platform_plugin() -> None:
     """vLLM platform-plugin entry point that only schedules our hooks; claims no platform."""
-    if _TARGET in sys.modules or any(isinstance(f, _ArgUtilsWatcher) for f in sys.meta_path):
+    if _TARGET in sys.modules or is_watched(_TARGET):
         return None
-    sys.meta_path.insert(0, _ArgUtilsWatcher())
+    when_imported(_TARGET, _register)
     return None

@@ -1,6 +1,6 @@
 """Hook: how a finished request's R3 leaves vLLM's frontend (keys handles, fast ``.npy``).
 
-Two wraps, frontend process only, checked against vLLM 0.32.0:
+Three wraps, used in the frontend process only, checked against vLLM 0.32.0:
 
 * ``vllm.v1.engine.output_processor.RequestState._new_completion_output``: at a request's
   end vLLM concatenates its per-step R3 chunks (``np.concatenate``); we concatenate them into
@@ -12,30 +12,54 @@ Two wraps, frontend process only, checked against vLLM 0.32.0:
   modules: a handle is sent as its JSON text; an array is encoded by
   :func:`vllm_artifact.core.npy.encode_npy_base64` (the same text as vLLM's ``np.save`` +
   base64, without its ``BytesIO`` and ``bytes`` copies; no copy at all for an array from the
-  wrap above).
+  wrap above);
+* the module global ``JSONResponse`` (Starlette's) in the completions, chat and
+  token-in/token-out API router modules: a subclass whose ``render`` gives the same bytes but
+  joins each choice's base64 ``routed_experts`` in instead of having ``json.dumps`` scan it
+  (:func:`vllm_artifact.core.json_splice.render_spliced`); any other response renders as
+  before.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import sys
+from types import ModuleType
 from typing import Any
 
 import numpy as np
-from vllm.entrypoints.openai.chat_completion import serving as chat_serving
-from vllm.entrypoints.openai.completion import serving as completion_serving
-from vllm.entrypoints.scale_out.token_in_token_out import serving as tito_serving
+from starlette.responses import JSONResponse
+from vllm.utils import serial_utils
 from vllm.v1.engine.output_processor import RequestState
 
 from vllm_artifact.core.handoff import R3Keys
+from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64
 from vllm_artifact.integration.hooks import wrap_once
+from vllm_artifact.integration.hooks.after_import import patch_module
 
-_SERVING_MODULES = (completion_serving, chat_serving, tito_serving)
-for _module in _SERVING_MODULES:
-    assert hasattr(_module, "numpy2base64"), (
-        f"{_module.__name__}.numpy2base64 is gone; update vllm-artifact's terminal_output hook"
-    )
+logger = logging.getLogger("vllm.artifact")
+
+assert "numpy2base64" in serial_utils.__dict__, (
+    "vllm.utils.serial_utils.numpy2base64 is gone; update vllm-artifact's terminal_output hook"
+)
+#: They import ``numpy2base64`` from ``vllm.utils.serial_utils``, which we wrap at its
+#: source; the modules that have already imported it get the wrap in their globals too. None
+#: of them is imported here: that could close an import cycle vLLM is in the middle of
+#: (hooks/after_import.py).
+_SERVING_MODULES = (
+    "vllm.entrypoints.openai.completion.serving",
+    "vllm.entrypoints.openai.chat_completion.serving",
+    "vllm.entrypoints.scale_out.token_in_token_out.serving",
+)
+#: Patched when they are loaded (or now, if they are); their ``JSONResponse`` is checked then.
+_ROUTER_MODULES = (
+    "vllm.entrypoints.openai.completion.api_router",
+    "vllm.entrypoints.openai.chat_completion.api_router",
+    "vllm.entrypoints.scale_out.token_in_token_out.api_router",
+)
 assert list(inspect.signature(RequestState._new_completion_output).parameters)[:4] == [
     "self",
     "token_ids",
@@ -81,7 +105,41 @@ def _wrap_numpy2base64(original: Any) -> Any:
     return numpy2base64
 
 
+def _wrap_json_response(original: type[JSONResponse]) -> type[JSONResponse]:
+    class R3JSONResponse(original):  # type: ignore[valid-type,misc]
+        """vLLM's JSON response; base64 R3 is joined into the text, not scanned by json."""
+
+        def render(self, content: Any) -> bytes:
+            spliced = render_spliced(content, super().render)
+            if spliced is not None:
+                return spliced
+            rendered: bytes = super().render(content)
+            return rendered
+
+    R3JSONResponse.__qualname__ = R3JSONResponse.__name__
+    return R3JSONResponse
+
+
+def _install_json_response(router: ModuleType) -> None:
+    current = router.__dict__.get("JSONResponse")
+    assert isinstance(current, type) and issubclass(current, JSONResponse), (
+        f"{router.__name__}.JSONResponse is no longer Starlette's JSONResponse; update "
+        "vllm-artifact's terminal_output hook"
+    )
+    wrap_once(router, "JSONResponse", _wrap_json_response)
+
+
 def install() -> None:
     wrap_once(RequestState, "_new_completion_output", _wrap_new_completion_output)
-    for module in _SERVING_MODULES:
-        wrap_once(module, "numpy2base64", _wrap_numpy2base64)
+    wrap_once(serial_utils, "numpy2base64", _wrap_numpy2base64)
+    for name in _SERVING_MODULES:
+        serving = sys.modules.get(name)
+        if serving is not None and "numpy2base64" in serving.__dict__:  # imported before
+            wrap_once(serving, "numpy2base64", _wrap_numpy2base64)
+    for name in _ROUTER_MODULES:
+        if not patch_module(name, "JSONResponse", _install_json_response):
+            logger.warning(
+                "vllm-artifact: %s is being imported and has no JSONResponse yet, so its "
+                "responses render R3 with vLLM's own, slower JSON encoding",
+                name,
+            )

@@ -1,0 +1,77 @@
+"""Run a callback right after a module is first imported (standard library only).
+
+For hooks whose target module cannot be imported when hooks are installed: importing it
+then could close an import cycle that vLLM is in the middle of (hooks are installed while
+``vllm.engine.arg_utils`` loads, see ``early_import``), so the hook waits for vLLM to import
+the module itself.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+
+class _LoaderThenCall(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[ModuleType], None]):
+        self._inner, self._callback = inner, callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._callback(module)
+
+
+class _ImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of one module, once."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(
+        self, fullname: str, path: Any, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderThenCall(spec.loader, self.callback)
+        return spec
+
+
+def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Call ``callback(module)`` right after module ``name`` (not imported yet) has executed.
+    Asking twice for the same name and callback watches once."""
+    for finder in sys.meta_path:
+        if isinstance(finder, _ImportWatcher) and (finder.name, finder.callback) == (
+            name,
+            callback,
+        ):
+            return
+    sys.meta_path.insert(0, _ImportWatcher(name, callback))
+
+
+def is_watched(name: str) -> bool:
+    """Whether some callback waits for module ``name``."""
+    return any(isinstance(f, _ImportWatcher) and f.name == name for f in sys.meta_path)
+
+
+def patch_module(name: str, attribute: str, patch: Callable[[ModuleType], None]) -> bool:
+    """``patch(module)`` now if module ``name`` is loaded (far enough to define ``attribute``),
+    else right after it is first imported. False if it is being imported and has not defined
+    ``attribute`` yet, so that it cannot be patched (callers log it)."""
+    module = sys.modules.get(name)
+    if module is None:
+        when_imported(name, patch)
+        return True
+    if attribute not in module.__dict__:
+        return False
+    patch(module)
+    return True

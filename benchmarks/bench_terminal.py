@@ -25,7 +25,10 @@ Targets (issue 6): ours <= 1.25x vLLM's path and <= 8 ms in total; client decode
 of the first step, where vLLM's worker concatenates the store rows with the rows computed in
 that step (ours reads the store rows into the step's array, ``RequestTracker._emit``, so it
 makes no such copy), and the ``OutputProcessor``'s concatenation of the per-step chunks at
-finish (which ours makes into an ``.npy`` file, so its encoding needs no further copy).
+finish (which ours makes into an ``.npy`` file, so its encoding needs no further copy). The
+lines "+ the response's JSON" add building vLLM's ``CompletionResponse`` and rendering it as
+its router does (Starlette's ``JSONResponse``: ``json.dumps``), which for ours is the
+terminal_output hook's rendering (``render_spliced``: the same bytes, base64 joined in).
 "Alternative" lines time paths nothing runs (see the end of the output and docs/benchmarks.md).
 
 Three allocator regimes, each in its own process: ``default`` (glibc as configured: every
@@ -58,19 +61,27 @@ from typing import Any
 import numpy as np
 import pybase64
 from bench_store import Rounds
+from starlette.responses import JSONResponse
 from vllm.distributed.aux_output_connector.routed_experts import (
     materialize_routed_experts,
     publish_routed_experts,
 )
 from vllm.distributed.aux_output_connector.store import BlockObjectStore
+from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.utils.serial_utils import numpy2base64
 
 from vllm_artifact.client import R3Keys, R3Reader, decode_routed_experts
 from vllm_artifact.core import Namespace, R3Layout, RequestCoverage, full_block_keys, materialize
 from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, empty_npy_file, encode_npy_base64
 from vllm_artifact.core.store import ShmStore
+from vllm_artifact.integration.hooks import WRAPPED_MARK
 
+# vLLM's own encoder, not our hook's wrap of it (hooks install only in vLLM's processes).
+assert not getattr(numpy2base64, WRAPPED_MARK, False), "run without our hooks"
+USAGE = UsageInfo(prompt_tokens=32761, completion_tokens=8, total_tokens=32769)
 TARGET_VS_VLLM = 1.25
 TARGET_TOTAL_S = 8e-3
 TARGET_DECODE_S = 6e-3
@@ -287,6 +298,26 @@ def measure(
 
     assert v_served() == payload and s_served() == payload
 
+    # ... and the HTTP response's text: vLLM's router renders the response model with
+    # Starlette's JSONResponse (json.dumps); ours (the terminal_output hook's subclass) joins
+    # the base64 in with render_spliced. Timed: model, model_dump and rendering.
+    renderer = JSONResponse(content=None)
+
+    def response_content(r3: str) -> dict[str, Any]:
+        choice = CompletionResponseChoice(index=0, text="", routed_experts=r3)
+        return CompletionResponse(model="m", choices=[choice], usage=USAGE).model_dump()
+
+    def v_rendered() -> bytes:
+        return renderer.render(response_content(v_served()))
+
+    def s_rendered() -> bytes:
+        content = response_content(s_served())
+        spliced = render_spliced(content, renderer.render)
+        assert spliced is not None
+        return spliced
+
+    assert v_rendered() == s_rendered()
+
     def s_into_npy() -> str:
         """Alternative: read straight into the ``.npy`` buffer, encode to ``str``."""
         made = empty_npy_file(data.shape, dtype)
@@ -337,6 +368,8 @@ def measure(
     rounds.add("decode", lambda: decode_routed_experts(payload))
     rounds.add("v_served", v_served)
     rounds.add("s_served", s_served)
+    rounds.add("v_rendered", v_rendered)
+    rounds.add("s_rendered", s_rendered)
     rounds.add("alt_s_into", s_into_npy)
     rounds.add("alt_decode", lambda: decode_bytearray(payload))
     rounds.add("k_handle", k_handle)
@@ -398,6 +431,15 @@ def report(
             "ours (frontend concatenation into the .npy file)",
             r["s_served"],
             r["v_served"][0],
+            "vLLM's path",
+        )
+    )
+    print(line("vLLM's path + the response's JSON (json.dumps)", r["v_rendered"]))
+    print(
+        line(
+            "ours + the response's JSON (base64 joined in)",
+            r["s_rendered"],
+            r["v_rendered"][0],
             "vLLM's path",
         )
     )

@@ -39,15 +39,20 @@ keys_handoff (``InputProcessor._validate_params``, ``CompletionRequest.to_sampli
     How: the option is validated with vLLM's own parameter checks (HTTP 400, on the OpenAI
     server before a stream starts).
 
-terminal_output (``RequestState._new_completion_output``, module global ``numpy2base64`` of
-    the completions, chat and token-in/token-out serving modules; vLLM 0.32.0)
+terminal_output (``RequestState._new_completion_output``; ``vllm.utils.serial_utils.numpy2base64``
+    and its copies in the completions, chat and token-in/token-out serving modules; module
+    global ``JSONResponse`` of their API router modules; vLLM 0.32.0)
     Why: vLLM's encoding of a finished request's R3 (``np.save`` into a ``BytesIO``, then
-    base64 and ``.decode``) makes three passes over many MiB; keys handles need their own
-    form.
+    base64 and ``.decode``) makes three passes over many MiB, and Starlette's ``json.dumps``
+    then scans every character of the base64 again (22-39 ms for 19 MiB); keys handles need
+    their own form.
     How: the per-step chunks are concatenated into the data part of a complete ``.npy`` file
     and that file is base64-encoded straight to ``str`` (same text, no further copy); the
     handle our scheduler connector sends in vLLM's routed-experts transport becomes an
-    ``R3Keys`` on the completion and its JSON text in the response.
+    ``R3Keys`` on the completion and its JSON text in the response; the routers' JSON
+    response joins the base64 into the rendered text (same bytes). Serving and router
+    modules are never imported by the hook (an import cycle vLLM may be in the middle of):
+    ``numpy2base64`` is wrapped at its source, routers when they load (``after_import``).
 
 early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
     Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general

@@ -305,7 +305,10 @@ def measure(
 
     def response_content(r3: str) -> dict[str, Any]:
         choice = CompletionResponseChoice(index=0, text="", routed_experts=r3)
-        return CompletionResponse(model="m", choices=[choice], usage=USAGE).model_dump()
+        response = CompletionResponse(
+            id="cmpl-0", created=0, model="m", choices=[choice], usage=USAGE
+        )
+        return response.model_dump()
 
     def v_rendered() -> bytes:
         return renderer.render(response_content(v_served()))

@@ -8,16 +8,21 @@ Three wraps, used in the frontend process only, checked against vLLM 0.32.0:
   :func:`vllm_artifact.core.npy.concatenate_into_npy`), and a transported keys-only handle
   (``R3Keys.to_transport``: a small uint8 array, not rows) becomes an :class:`R3Keys` object on
   the completion (offline users get it in ``outputs[i].routed_experts``);
-* the module global ``numpy2base64`` in the completions, chat and token-in/token-out serving
-  modules: a handle is sent as its JSON text; an array is encoded by
+* ``vllm.utils.serial_utils.numpy2base64``, which the completions, chat and
+  token-in/token-out serving modules import (and the copies of it that they hold, where they
+  have imported it already): a handle is sent as its JSON text; an array is encoded by
   :func:`vllm_artifact.core.npy.encode_npy_base64` (the same text as vLLM's ``np.save`` +
   base64, without its ``BytesIO`` and ``bytes`` copies; no copy at all for an array from the
   wrap above);
 * the module global ``JSONResponse`` (Starlette's) in the completions, chat and
-  token-in/token-out API router modules: a subclass whose ``render`` gives the same bytes but
-  joins each choice's base64 ``routed_experts`` in instead of having ``json.dumps`` scan it
-  (:func:`vllm_artifact.core.json_splice.render_spliced`); any other response renders as
-  before.
+  token-in/token-out API router modules, when they load: a subclass whose ``render`` gives
+  the same bytes but joins each choice's base64 ``routed_experts`` in instead of having
+  ``json.dumps`` scan it (:func:`vllm_artifact.core.json_splice.render_spliced`); any other
+  response renders as before.
+
+The serving and router modules are never imported here: hooks install while
+``vllm.engine.arg_utils`` loads, which can be in the middle of vLLM importing one of them, and
+importing another then fails (an import cycle).
 """
 
 from __future__ import annotations

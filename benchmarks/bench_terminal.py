@@ -428,24 +428,16 @@ def report(
         f"\nas served ({tokens - GENERATED + 1}-token prompt, {hit} tokens from the prefix "
         f"cache, {GENERATED} generated; + vLLM's two concatenations)"
     )
-    print(line("vLLM's path", r["v_served"]))
-    print(
-        line(
-            "ours (frontend concatenation into the .npy file)",
-            r["s_served"],
-            r["v_served"][0],
-            "vLLM's path",
-        )
-    )
-    print(line("vLLM's path + the response's JSON (json.dumps)", r["v_rendered"]))
-    print(
-        line(
-            "ours + the response's JSON (base64 joined in)",
-            r["s_rendered"],
-            r["v_rendered"][0],
-            "vLLM's path",
-        )
-    )
+    for theirs, ours, what in (
+        ("v_served", "s_served", ("", " (frontend concatenation into the .npy file)")),
+        (
+            "v_rendered",
+            "s_rendered",
+            (" + the response's JSON (json.dumps)", " + the same (base64 joined in)"),
+        ),
+    ):
+        print(line("vLLM's path" + what[0], r[theirs]))
+        print(line("ours" + what[1], r[ours], r[theirs][0], "vLLM's path"))
     print("\nalternatives (same payload bytes; not what runs)")
     print(
         line(

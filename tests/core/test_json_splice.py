@@ -30,7 +30,7 @@ def ascii_render(content: Any) -> bytes:
 
 BASE64 = st.binary(min_size=1, max_size=300).map(lambda b: base64.b64encode(b).decode())
 NEEDS_ESCAPING = st.sampled_from(
-    ['a"b', "a\\b", "tab\there", "\x00", "line\n", "\x1f", "é", "\u2028", "😀"]
+    ['a"b', "a\\b", "tab\there", "\x00", "line\n", "\x1f", "del\x7f", "é", "\u2028", "😀"]
 )
 ANY_TEXT = st.text(max_size=20)
 VALUES = st.one_of(

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-#: JSON escapes ``"``, ``\`` and the control characters below U+0020, nothing else in ASCII.
-_QUOTE, _BACKSLASH, _FIRST_PLAIN = b'"', b"\\", 0x20
+#: In ASCII, JSON escapes ``"``, ``\`` and the control characters below U+0020, and
+#: ``json.dumps`` with ``ensure_ascii`` (its default; Starlette turns it off) also DEL.
+_QUOTE, _BACKSLASH, _DEL, _FIRST_PLAIN = b'"', b"\\", b"\x7f", 0x20
 
 
 def render_spliced(
@@ -62,7 +63,7 @@ def _unescaped_json_string(value: Any) -> bytes | None:
     if type(value) is not str or not value or not value.isascii():  # isascii: O(1) in CPython
         return None
     data = value.encode("ascii")
-    if _QUOTE in data or _BACKSLASH in data:  # memchr-fast
+    if _QUOTE in data or _BACKSLASH in data or _DEL in data:  # memchr-fast
         return None
     if int(np.frombuffer(data, dtype=np.uint8).min()) < _FIRST_PLAIN:
         return None

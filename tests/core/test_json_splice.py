@@ -29,9 +29,8 @@ def ascii_render(content: Any) -> bytes:
 
 
 BASE64 = st.binary(min_size=1, max_size=300).map(lambda b: base64.b64encode(b).decode())
-NEEDS_ESCAPING = st.sampled_from(
-    ['a"b', "a\\b", "tab\there", "\x00", "line\n", "\x1f", "del\x7f", "é", "\u2028", "😀"]
-)
+ESCAPED = ['a"b', "a\\b", "tab\there", "\x00", "line\n", "\x1f", "del\x7f", "é", "\u2028", "😀"]
+NEEDS_ESCAPING = st.sampled_from(ESCAPED)
 ANY_TEXT = st.text(max_size=20)
 VALUES = st.one_of(
     BASE64,
@@ -71,6 +70,15 @@ def test_spliced_rendering_is_the_renderers_own(content: dict[str, Any], render:
         assert spliced == render(content)
     else:
         assert spliced is None
+
+
+@pytest.mark.parametrize("render", [starlette_render, ascii_render])
+@pytest.mark.parametrize("value", ESCAPED)
+def test_a_string_that_may_need_escaping_is_left_to_the_renderer(value: str, render: Any) -> None:
+    alone = {"choices": [{"routed_experts": value}]}
+    assert render_spliced(alone, render) is None
+    beside = {"choices": [{"routed_experts": value}, {"routed_experts": "QUJD"}]}
+    assert render_spliced(beside, render) == render(beside)
 
 
 def test_a_large_payload_is_spliced_and_the_rest_escaped_as_usual() -> None:

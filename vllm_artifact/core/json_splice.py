@@ -7,7 +7,7 @@ string that needs no escaping appears in JSON as itself between two quotes, so
 :func:`render_spliced` has the caller's renderer render everything else (each such string
 replaced by a short placeholder) and joins the strings' bytes in. The result is byte for byte
 what the renderer makes of the whole object; a string that might need escaping (a quote, a
-backslash, a control character, anything not ASCII) is left to the renderer.
+backslash, a control character, DEL, anything not ASCII) is left to the renderer.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -154,6 +155,14 @@ def test_token_in_token_out_generate(server_a: RunningServer, model_a: Path) -> 
     choice = post(server_a, "/inference/v1/generate", body)["choices"][0]
     experts = check_choice(model_a, prompt_ids, choice)
     assert experts.shape == (len(prompt_ids) + 7 - 1, 4, 2)
+
+
+def test_the_servers_routers_render_r3_with_the_splice(server_a: RunningServer) -> None:
+    """The hook that joins the base64 into the JSON is in place in the real API server (its
+    output is byte-identical to vLLM's, so the log line is what shows it)."""
+    log = server_a.log_path.read_text(errors="replace")
+    for router in ("completion", "chat_completion", "scale_out.token_in_token_out"):
+        assert re.search(rf"vllm\.entrypoints\.(openai\.)?{router}\.api_router renders R3", log)
 
 
 KEYS_XARGS = {"vllm_xargs": {"routed_experts_format": "keys"}}

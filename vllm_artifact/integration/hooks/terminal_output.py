@@ -132,6 +132,9 @@ def _install_json_response(router: ModuleType) -> None:
         "vllm-artifact's terminal_output hook"
     )
     wrap_once(router, "JSONResponse", _wrap_json_response)
+    logger.info(
+        "vllm-artifact: %s renders R3 with the base64 joined into the JSON", router.__name__
+    )
 
 
 def install() -> None:

@@ -47,7 +47,6 @@ Run: ``.venv/bin/python benchmarks/bench_terminal.py [--reps N] [--tokens T] [--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
@@ -61,6 +60,7 @@ from typing import Any
 import numpy as np
 import pybase64
 from bench_store import Rounds
+from server_processes import tree_memory
 from starlette.responses import JSONResponse
 from vllm.distributed.aux_output_connector.routed_experts import (
     materialize_routed_experts,
@@ -183,15 +183,6 @@ def thp_setting() -> str:
     return text.split("[", 1)[-1].split("]", 1)[0] if "[" in text else text.strip()
 
 
-def anon_huge_pages() -> int:
-    """Bytes of this process's anonymous memory in transparent huge pages (0 if unknown)."""
-    with contextlib.suppress(OSError):
-        for row in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if row.startswith("AnonHugePages:"):
-                return int(row.split()[1]) * 1024
-    return 0
-
-
 def run_regime(regime: str, tokens: int, bs: int, reps: int) -> dict[str, Any]:
     layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=bs)
     ns = Namespace("deepseek-ai/DeepSeek-V3", layout, "bench-terminal")
@@ -230,7 +221,7 @@ def run_regime(regime: str, tokens: int, bs: int, reps: int) -> dict[str, Any]:
         store.close()
         vstore.close()
         shutil.rmtree(root, ignore_errors=True)
-    huge = anon_huge_pages()
+    huge = tree_memory(os.getpid())[2]  # this process alone: it starts no children
     print(
         f"\ntransparent huge pages: {thp_setting()}; this process has {huge / 2**20:.0f} MiB "
         "of anonymous memory in them"

@@ -16,9 +16,10 @@ The first wrap also counts such requests by reason (``vllm_artifact_failed_reque
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.entrypoints.generate.base.serving import GenerateBaseServing
 from vllm.exceptions import GenerationError
@@ -54,13 +55,36 @@ class _FailureMessages:
             while len(self._messages) > _MAX_REMEMBERED:
                 self._messages.popitem(last=False)
 
-    def take(self, request_id: str) -> str | None:
-        """The message for ``request_id`` or one of its per-prompt ids (``<id>-<n>``)."""
+    def take(self, request_id: str, ids: _IdRule) -> str | None:
+        """The message of ``request_id`` or of one of its per-prompt ids, as ``ids`` (the
+        serving layer's naming) says. Never a prefix match: a client choosing
+        ``X-Request-Id: job-1`` must not get the message of ``job-1-2-0``."""
         with self._lock:
-            for key in (request_id, *(k for k in self._messages if k.startswith(request_id + "-"))):
-                if key in self._messages:
+            if ids.itself and request_id in self._messages:
+                return self._messages.pop(request_id)
+            cut = len(request_id)
+            for key in self._messages:
+                if key.startswith(request_id) and ids.per_prompt.fullmatch(key, cut):
                     return self._messages.pop(key)
         return None
+
+
+class _IdRule(NamedTuple):
+    """How a serving class names the engine requests of one HTTP request (vLLM 0.32)."""
+
+    itself: bool  # one engine request may carry the HTTP request's own id
+    per_prompt: re.Pattern[str]  # what follows the id in a per-prompt id
+
+
+#: Completions: always ``<id>-<prompt index>``; chat, batch chat: ``<id>`` for one
+#: conversation, else ``<id>_<index>``; token-in/token-out and the rest: ``<id>``.
+_COMPLETIONS = _IdRule(itself=False, per_prompt=re.compile(r"-[0-9]+"))
+_OTHERS = _IdRule(itself=True, per_prompt=re.compile(r"_[0-9]+"))
+
+
+def _id_rule(serving: Any) -> _IdRule:
+    names = {cls.__name__ for cls in type(serving).__mro__}
+    return _COMPLETIONS if "OpenAIServingCompletion" in names else _OTHERS
 
 
 FAILURES = _FailureMessages()
@@ -93,7 +117,7 @@ def _wrap_raise_if_error(original: Any) -> Any:
     @functools.wraps(original)
     def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
         if finish_reason == "error":
-            message = FAILURES.take(request_id)
+            message = FAILURES.take(request_id, _id_rule(self))
             if message is not None:
                 raise GenerationError(message)
         original(self, finish_reason, request_id)

@@ -9,10 +9,12 @@ whether repeating the same request can succeed without operator action.
 from __future__ import annotations
 
 __all__ = [
+    "ArtifactConfigError",
     "ArtifactError",
     "BufferCapacityError",
     "CapacityError",
     "CoverageError",
+    "InternalError",
     "KeyCollisionError",
     "ObjectCorruptError",
     "ObjectMissingError",
@@ -27,6 +29,8 @@ __all__ = [
     "StoreReadOnlyError",
     "UnknownRequestError",
     "UnsafeRootError",
+    "VllmIncompatibleError",
+    "WeightVersionError",
     "WriterConflictError",
 ]
 
@@ -42,6 +46,12 @@ class SchemaError(ArtifactError, ValueError):
     """An R3 layout or an array does not follow the schema (dtype, shape, ids)."""
 
     reason = "schema"
+
+
+class WeightVersionError(SchemaError):
+    """A weight version our object keys cannot carry (refused before the engine records it)."""
+
+    reason = "weight_version"
 
 
 class CoverageError(ArtifactError, ValueError):
@@ -161,3 +171,18 @@ class ArtifactConfigError(ArtifactError, ValueError):
     """An invalid or unsupported configuration, detected at startup (before engines start)."""
 
     reason = "config"
+
+
+class VllmIncompatibleError(ArtifactError, RuntimeError):
+    """The installed vLLM lacks a name or shape one of our hooks was written against (checked
+    when the hook is installed, so a vLLM upgrade fails at startup, never silently)."""
+
+    reason = "vllm_incompatible"
+
+
+class InternalError(ArtifactError, RuntimeError):
+    """A broken invariant of vllm-artifact itself (a bug: please report it). Raised where an
+    ``assert`` would vanish under ``python -O``; per-request paths turn it into a failed
+    request, never a dead engine."""
+
+    reason = "internal"

@@ -25,13 +25,14 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from vllm_artifact.core.schema import R3Layout
-from vllm_artifact.errors import SchemaError
+from vllm_artifact.errors import SchemaError, WeightVersionError
 
 __all__ = [
     "KEY_NBYTES",
     "KeyCache",
     "Namespace",
     "ObjectKey",
+    "check_weight_version",
     "full_block_key",
     "full_block_keys",
     "keys_to_words",
@@ -78,8 +79,34 @@ class ObjectKey(bytes):
 def _field(value: str, what: str) -> bytes:
     if not isinstance(value, str) or not value or len(value) > _MAX_FIELD_CHARS:
         raise SchemaError(f"Namespace.{what} must be a non-empty str of <= {_MAX_FIELD_CHARS}")
-    raw = value.encode("utf-8")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SchemaError(f"Namespace.{what} is not valid Unicode (a lone surrogate)") from None
     return len(raw).to_bytes(4, "little") + raw
+
+
+def check_weight_version(value: object) -> str:
+    """``value`` if our keys can carry it as a weight version, else :class:`WeightVersionError`
+    saying what to send. vLLM accepts any string; checked where vLLM is handed one (the
+    weight_version hook), so a bad one is refused before the engine records it."""
+    if not isinstance(value, str):
+        problem = f"must be a string, got {type(value).__name__}"
+    elif not value:
+        problem = "must not be empty"
+    elif len(value) > _MAX_FIELD_CHARS:
+        problem = f"has {len(value)} characters, at most {_MAX_FIELD_CHARS} are allowed"
+    else:
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError as error:
+            problem = f"is not valid Unicode ({error.reason} at position {error.start})"
+    raise WeightVersionError(
+        f"weight version {problem}; R3 objects are keyed by it. Send a non-empty UTF-8 string "
+        f"of at most {_MAX_FIELD_CHARS} characters (e.g. the trainer's step); the engine "
+        "keeps its current weight version."
+    )
 
 
 @dataclass(frozen=True)

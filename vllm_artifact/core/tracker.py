@@ -37,7 +37,7 @@ from vllm_artifact.core.keys import KeyCache, Namespace, ObjectKey, tail_block_k
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
-from vllm_artifact.errors import ArtifactError
+from vllm_artifact.errors import ArtifactError, InternalError
 
 __all__ = [
     "EmittedRows",
@@ -196,7 +196,8 @@ class StepResult:
                 rid: entry for rid, entry in self.entries.items() if isinstance(entry, EmittedRows)
             }
             if self.decode_ids:
-                assert self.decode_rows is not None
+                if self.decode_rows is None:
+                    raise InternalError("a step result names decode requests but has no rows")
                 views = zip(self.decode_token_starts, self.decode_rows[:, None], strict=True)
                 rows_by_id.update(zip(self.decode_ids, views, strict=True))
         return rows_by_id
@@ -643,7 +644,8 @@ class RequestTracker:
             return
         blocks = [run for run in runs if isinstance(run, BlockRun)]
         pins = [key for run in runs if isinstance(run, PinChange) for key in run.keys]
-        assert all(run.pin for run in runs if isinstance(run, PinChange))
+        if not all(run.pin for run in runs if isinstance(run, PinChange)):
+            raise InternalError("a step's publication may only add pins")
         self._publisher.submit([*blocks, PinChange(pins, pin=True)] if pins else blocks)
 
     def _emit(
@@ -654,7 +656,8 @@ class RequestTracker:
     ) -> EmittedRows:
         """Rows ``[emit_cursor, token_end)``: store rows for a prefix hit, then captured rows."""
         emit_start, pending_start = track.emit_cursor, track.pending_start
-        assert pending_start is not None
+        if pending_start is None:
+            raise InternalError("rows are emitted before any was captured")
         if emit_start < pending_start:
             # One array for the span, the store rows read straight into it: no second copy
             # of the prefix (a concatenation that size releases the GIL, see buffer._as_items).

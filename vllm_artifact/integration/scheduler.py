@@ -20,10 +20,12 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
+from vllm_artifact.integration.hooks import require_attributes
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
+from vllm_artifact.integration.transport import RequestFailure
 
 logger = logging.getLogger("vllm.artifact.scheduler")
 
@@ -58,9 +60,7 @@ class _ArtifactSchedulerMixin:
         """
         manager: Any = self.kv_cache_manager  # type: ignore[attr-defined]
         pool = manager.block_pool
-        assert hasattr(pool, "enable_kv_cache_events") and hasattr(manager, "take_events"), (
-            "vLLM's KV cache manager changed; update vllm-artifact's scheduler"
-        )
+        require_attributes("scheduler", (pool, "enable_kv_cache_events"), (manager, "take_events"))
         user_wants_events = bool(pool.enable_kv_cache_events)
         pool.enable_kv_cache_events = True
         take_events = manager.take_events
@@ -74,9 +74,10 @@ class _ArtifactSchedulerMixin:
         manager.take_events = take_events_and_observe
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        connector = self.aux_output_connector
         failures = {}
-        if self.aux_output_connector is not None:
-            failures = self.aux_output_connector.observe_step(
+        if connector is not None:
+            failures = connector.observe_step(
                 getattr(model_runner_output, "aux_output_connector_output", None)
             )
         failed = []
@@ -88,26 +89,60 @@ class _ArtifactSchedulerMixin:
             scheduler_output, model_runner_output
         )
         for request in failed:
-            failure = failures[request.request_id]
-            engine_outputs = outputs.get(request.client_index)
-            if engine_outputs is None:
-                engine_outputs = outputs[request.client_index] = EngineCoreOutputs()
-            engine_outputs.outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=failure.as_stop_reason(),
-                    events=request.take_events(),
-                    trace_headers=request.trace_headers,
-                )
-            )
-            logger.warning(
-                "vllm-artifact: request %s finished with an error (%s); the engine goes on",
-                request.request_id,
-                failure.reason,
-            )
+            self._append_error_output(outputs, request, failures[request.request_id])
+        if connector is not None and (late := connector.take_late_failures()):
+            self._fail_late(outputs, late)
         return outputs
+
+    def _fail_late(
+        self, outputs: dict[int, EngineCoreOutputs], failures: dict[str, RequestFailure]
+    ) -> None:
+        """Requests whose rows our connector could not take during vLLM's processing: one that
+        finished in this step gets its terminal output turned into the error (never answered
+        with partial R3); one still running is finished with the error."""
+        pending = dict(failures)
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                failure = pending.get(output.request_id)
+                if failure is not None and output.finish_reason is not None:
+                    output.finish_reason = FinishReason.ERROR
+                    output.stop_reason = failure.as_stop_reason()
+                    output.routed_experts = None
+                    del pending[output.request_id]
+                    _log_failed(output.request_id, failure)
+        running = [rid for rid in pending if rid in self.requests]
+        if running:
+            for request in self.finish_requests(  # type: ignore[attr-defined]
+                running, RequestStatus.FINISHED_ERROR
+            ):
+                self._append_error_output(outputs, request, pending[request.request_id])
+
+    @staticmethod
+    def _append_error_output(
+        outputs: dict[int, EngineCoreOutputs], request: Any, failure: RequestFailure
+    ) -> None:
+        engine_outputs = outputs.get(request.client_index)
+        if engine_outputs is None:
+            engine_outputs = outputs[request.client_index] = EngineCoreOutputs()
+        engine_outputs.outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                stop_reason=failure.as_stop_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+        )
+        _log_failed(request.request_id, failure)
+
+
+def _log_failed(request_id: str, failure: RequestFailure) -> None:
+    logger.warning(
+        "vllm-artifact: request %s finished with an error (%s); the engine goes on",
+        request_id,
+        failure.reason,
+    )
 
 
 class ArtifactScheduler(_ArtifactSchedulerMixin, Scheduler):

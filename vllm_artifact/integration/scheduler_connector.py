@@ -28,6 +28,7 @@ request's length runs at terminal time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +43,13 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_blo
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
-from vllm_artifact.core.keys import KeyCache, ObjectKey, tail_block_key
+from vllm_artifact.core.keys import KeyCache, ObjectKey, check_weight_version, tail_block_key
 from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_ids
+from vllm_artifact.errors import ArtifactError, InternalError
+from vllm_artifact.integration.hooks import require
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
+
+logger = logging.getLogger("vllm.artifact.scheduler")
 
 _DEFAULT_WEIGHT_VERSION = "default"
 #: Finishes whose last rows become a tail object; aborted, preempted and failed requests keep
@@ -62,21 +67,23 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         hash_block_size: int | None = None,
     ) -> None:
         super().__init__()
-        assert all(
-            isinstance(getattr(self, name, None), kind)
-            for name, kind in (
-                ("_sent_hash_counts", dict),
-                ("_finished_requests", dict),
-                ("_generation", int),
-            )
-        ), (
+        require(
+            all(
+                isinstance(getattr(self, name, None), kind)
+                for name, kind in (
+                    ("_sent_hash_counts", dict),
+                    ("_finished_requests", dict),
+                    ("_generation", int),
+                )
+            ),
+            "scheduler",
             "vLLM's AuxOutputSchedulerConnector state changed (_sent_hash_counts, "
-            "_finished_requests, _generation); vllm-artifact's scheduler connector was written "
-            "for vLLM 0.32 and must be updated"
+            "_finished_requests, _generation)",
         )
-        assert callable(getattr(self, "_pack_new_hashes", None)), (
-            "vLLM's AuxOutputSchedulerConnector._pack_new_hashes is gone; update vllm-artifact's "
-            "scheduler connector"
+        require(
+            callable(getattr(self, "_pack_new_hashes", None)),
+            "scheduler",
+            "vLLM's AuxOutputSchedulerConnector._pack_new_hashes is gone",
         )
         self.weight_version = _DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
@@ -94,6 +101,9 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         # Keys-only requests that share a prompt prefix (the samples of one prompt, the turns
         # of a conversation) share its blocks' keys: made once on this thread, not per request.
         self._key_cache = KeyCache()
+        # Requests whose rows could not be taken this step (a broken invariant of ours): the
+        # scheduler fails them after vLLM's processing of the step (take_late_failures).
+        self._late_failures: dict[str, RequestFailure] = {}
 
     def observe_kv_events(self, events: list[Any] | None) -> None:
         """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
@@ -137,8 +147,9 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         return TailBlock(tail_hash, full * bs, len(tokens))
 
     def set_weight_version(self, weight_version: str) -> None:
-        """Key objects of later steps under ``weight_version`` (vLLM's weight-version API)."""
-        self.weight_version = str(weight_version)
+        """Key objects of later steps under ``weight_version`` (vLLM's weight-version API);
+        a version keys cannot carry raises here, before any step uses it."""
+        self.weight_version = check_weight_version(weight_version)
 
     def build_connector_meta(  # type: ignore[override]
         self, scheduler_output: Any, requests: dict[str, Any]
@@ -195,7 +206,8 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
     def _pack(self, block_hashes: Any, num_sent: int) -> PackedBlockHashes:
         """The hashes after the first ``num_sent`` (there are some), packed by vLLM."""
         packed = self._pack_new_hashes(block_hashes, num_sent)
-        assert packed is not None
+        if packed is None:
+            raise InternalError(f"vLLM packed no block hashes after the first {num_sent}")
         return packed
 
     def observe_step(self, output: StepResult | None) -> dict[str, RequestFailure]:
@@ -210,7 +222,23 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
     def take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:  # type: ignore[override]
         """This step's rows of ``request`` up to its last executed token; None when there
         are none (or it failed). vLLM calls this once per request with the same step output,
-        so the step's lookup table is built once."""
+        so the step's lookup table is built once. Runs inside vLLM's ``update_from_output``:
+        it never raises (that would kill the engine); a request whose rows cannot be taken
+        is failed after the step (:meth:`take_late_failures`)."""
+        try:
+            return self._take_output(request, output)
+        except Exception as error:
+            self._late_failures[request.request_id] = _internal_failure(request, error)
+            return None
+
+    def take_late_failures(self) -> dict[str, RequestFailure]:
+        """Requests :meth:`take_output` could not serve this step (usually none)."""
+        if not self._late_failures:
+            return {}
+        failures, self._late_failures = self._late_failures, {}
+        return failures
+
+    def _take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:
         if output is not self._step_output:
             self._new_step_output(output)
         entry = self._step_rows.get(request.request_id)
@@ -238,15 +266,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         after the worker ran, or the step ran ahead of the scheduler's view)."""
         local_end = request.num_tokens - 1 - token_start
         if local_end < 0:
-            assert not request.is_finished(), (
-                f"vllm-artifact: finished request {request.request_id} has no R3 rows for its "
-                f"last token (rows start at {token_start})"
-            )
+            if request.is_finished():
+                raise InternalError(
+                    f"finished request {request.request_id} has no R3 rows for its last token "
+                    f"(rows start at {token_start})"
+                )
             return None
-        assert local_end < len(rows), (
-            f"vllm-artifact: request {request.request_id}: the worker sent rows up to token "
-            f"{token_start + len(rows)}, the scheduler expects {request.num_tokens - 1}"
-        )
+        if local_end >= len(rows):
+            raise InternalError(
+                f"request {request.request_id}: the worker sent rows up to token "
+                f"{token_start + len(rows)}, the scheduler expects {request.num_tokens - 1}"
+            )
         return rows[:local_end]
 
     def _keys_output(self, request: Any, keys: list[ObjectKey]) -> np.ndarray | None:
@@ -291,6 +321,18 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             trusted=True,
         )
         return handle.to_transport()
+
+
+def _internal_failure(request: Any, error: Exception) -> RequestFailure:
+    """A request failed by a broken invariant of ours: logged with its trace, answered with
+    a message that says so."""
+    logger.exception("vllm-artifact: R3 of request %s cannot be delivered", request.request_id)
+    reason = error.reason if isinstance(error, ArtifactError) else "internal"
+    return RequestFailure(
+        reason,
+        f"R3 (routed experts) for request {request.request_id} is unavailable ({reason}): "
+        f"{error} (an internal error of vllm-artifact: please report it)",
+    )
 
 
 def _emit_start(request: Any) -> int:

@@ -32,10 +32,10 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore, check_shm_space
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker, StepBatch
-from vllm_artifact.errors import WriterConflictError
+from vllm_artifact.errors import InternalError, WriterConflictError
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
-from vllm_artifact.integration.transport import ArtifactStepMetadata, StepResult
+from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure, StepResult
 
 logger = logging.getLogger("vllm.artifact.worker")
 
@@ -278,12 +278,24 @@ class ArtifactWorkerConnector:
         return pending
 
     def process_output(self, pending: PendingArtifactStep) -> StepResult:
-        """Turn one consumed snapshot into per-request rows (or failures)."""
+        """Turn one consumed snapshot into per-request rows (or failures). Runs on MRV2's
+        output thread: it never raises (that would kill the worker); a step that cannot be
+        processed fails its requests."""
+        try:
+            return self._process_output(pending)
+        except Exception as error:
+            logger.exception("vllm-artifact: a step's R3 could not be processed")
+            failure = RequestFailure(
+                "internal",
+                f"R3 (routed experts) of this step could not be processed: {error} (an internal "
+                "error of vllm-artifact: please report it)",
+            )
+            return StepResult(entries=dict.fromkeys(pending.request_ids, failure))
+
+    def _process_output(self, pending: PendingArtifactStep) -> StepResult:
         rows, sampled, rejected = pending.rows, pending.num_sampled, pending.num_rejected
-        assert rows is not None and sampled is not None and rejected is not None, (
-            "vllm-artifact: process_output ran before enqueue_cpu_copy"
-        )
-        assert self._tracker is not None
+        if rows is None or sampled is None or rejected is None or self._tracker is None:
+            raise InternalError("process_output ran before enqueue_cpu_copy")
         if rows.dtype != self._layout.dtype:  # only top-1 models with exactly 256 experts
             rows = rows.astype(self._layout.dtype)
         # vLLM leaves dense layers 0 (expert 0's id): mark them, see core/schema.py.

@@ -1,10 +1,11 @@
 """Every hook vllm-artifact installs into vLLM, in one place.
 
-Each hook lives in its own module, replaces as little as possible, and asserts at import time
-that the vLLM name it wraps still exists (so a vLLM upgrade fails loudly at startup instead of
-silently skipping the hook). All hooks are applied by :func:`apply_all`, which the
-``vllm.general_plugins`` entry point calls in every vLLM process (engine processes are spawned,
-so a patch made only in the parent would be lost). ``docs/vllm-hooks.md`` has the same table.
+Each hook lives in its own module, replaces as little as possible, and checks at import time
+(:func:`require`, a typed error) that the vLLM name it wraps still exists (so a vLLM upgrade
+fails loudly at startup instead of silently skipping the hook). All hooks are applied by
+:func:`apply_all`, which the ``vllm.general_plugins`` entry point calls in every vLLM process
+(engine processes are spawned, so a patch made only in the parent would be lost).
+``docs/vllm-hooks.md`` has the same table.
 
 engine_args (``vllm.engine.arg_utils.EngineArgs``; checked against vLLM 0.32.0)
     Why: ``--enable-routed-experts``, the ``--artifact-*`` store options and their ``LLM(...)``
@@ -22,9 +23,14 @@ worker_factory (``vllm.v1.worker.gpu.model_runner.get_aux_output_connector``; vL
     How: replaces that module global with a factory of the same signature.
     Future: a connector registry upstream would replace this.
 
-weight_version (``vllm.v1.engine.core.EngineCore.set_weight_version``; vLLM 0.32.0)
-    Why: object keys must include the weight version, which vLLM keeps on the EngineCore only.
-    How: wraps the setter to also tell our scheduler connector.
+weight_version (``EngineCore.set_weight_version``, ``LLMEngine.set_weight_version``,
+    ``AsyncLLM.update_weight_version`` and ``finish_weight_update``,
+    ``RLOfflineMixin.finish_weight_update``; vLLM 0.32.0)
+    Why: object keys must include the weight version, which vLLM keeps on the EngineCore only;
+    vLLM accepts any string, ours must be one a key can carry.
+    How: every setter checks the version first (a bad one raises ``WeightVersionError``: HTTP
+    400, offline raised; the engine keeps its version); EngineCore's also tells our scheduler
+    connector.
 
 request_errors (``RequestState.make_request_output``, ``GenerateBaseServing._raise_if_error``;
     vLLM 0.32.0)
@@ -69,9 +75,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from vllm_artifact.errors import VllmIncompatibleError
+
 _started = False
 #: Set on every function a hook installs, so installing twice never wraps twice.
 WRAPPED_MARK = "__vllm_artifact_wrapped__"
+
+
+def require(condition: object, hook: str, what: str) -> None:
+    """A hook's check of the vLLM it wraps, at install time: a typed error naming the hook
+    (``assert`` would vanish under ``python -O``)."""
+    if not condition:
+        raise VllmIncompatibleError(
+            f"{what}; vllm-artifact's {hook} hook was written for vLLM 0.32.0: install that "
+            "version (pip install 'vllm==0.32.0') or a vllm-artifact release made for yours"
+        )
+
+
+def require_attributes(hook: str, *names: tuple[Any, str]) -> None:
+    """:func:`require` that each ``(owner, name)`` exists."""
+    for owner, name in names:
+        label = str(getattr(owner, "__qualname__", None) or getattr(owner, "__name__", owner))
+        module = getattr(owner, "__module__", None)
+        where = f"{module}.{label}" if module and not label.startswith(module) else label
+        require(hasattr(owner, name), hook, f"{where}.{name} is gone")
 
 
 def wrap_once(owner: Any, name: str, make: Callable[[Any], Any]) -> None:

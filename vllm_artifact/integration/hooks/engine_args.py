@@ -17,15 +17,11 @@ from vllm.engine import arg_utils
 
 from vllm_artifact.integration import options, validation
 from vllm_artifact.integration.config import ArtifactConfig
-from vllm_artifact.integration.hooks import wrap_once
+from vllm_artifact.integration.hooks import require, require_attributes, wrap_once
 from vllm_artifact.integration.metrics import register_store_metrics
 
 _WRAPPED = ("add_cli_args", "from_cli_args", "__init__", "create_engine_config")
-for _name in _WRAPPED:
-    assert hasattr(arg_utils.EngineArgs, _name), (
-        f"vllm.engine.arg_utils.EngineArgs.{_name} is gone; vllm-artifact's engine_args hook "
-        "was written for vLLM 0.32 and must be updated"
-    )
+require_attributes("engine_args", *((arg_utils.EngineArgs, _name) for _name in _WRAPPED))
 # EngineArgs fields our options and startup checks read or write.
 _FIELDS = (
     "enable_return_routed_experts",
@@ -39,8 +35,10 @@ _FIELDS = (
     "enable_prefix_caching",
 )
 for _field in _FIELDS:
-    assert _field in arg_utils.EngineArgs.__dataclass_fields__, (
-        f"EngineArgs.{_field} is gone; update vllm-artifact's engine_args hook"
+    require(
+        _field in arg_utils.EngineArgs.__dataclass_fields__,
+        "engine_args",
+        f"vllm.engine.arg_utils.EngineArgs.{_field} is gone",
     )
 
 

@@ -23,18 +23,15 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.input_processor import InputProcessor
 
-from vllm_artifact.integration.hooks import wrap_once
+from vllm_artifact.integration.hooks import require_attributes, wrap_once
 from vllm_artifact.integration.request_options import check_format_option
 
 _REQUEST_CLASSES = (CompletionRequest, ChatCompletionRequest)
-for _owner, _name in (
+require_attributes(
+    "keys_handoff",
     (InputProcessor, "_validate_params"),
     *((cls, "to_sampling_params") for cls in _REQUEST_CLASSES),
-):
-    assert hasattr(_owner, _name), (
-        f"{getattr(_owner, '__qualname__', None) or getattr(_owner, '__name__', _owner)}.{_name} "
-        "is gone; update vllm-artifact's keys_handoff hook"
-    )
+)
 
 
 def _wrap_validate_params(original: Any) -> Any:

@@ -26,18 +26,15 @@ from vllm.exceptions import GenerationError
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import RequestState
 
-from vllm_artifact.core.failure import r3_failure
-from vllm_artifact.integration.hooks import wrap_once
+from vllm_artifact.core.failure import R3Failure, r3_failure
+from vllm_artifact.integration.hooks import require_attributes, wrap_once
 from vllm_artifact.integration.metrics import FAILED_REQUESTS
 
-for _owner, _name in (
+require_attributes(
+    "request_errors",
     (RequestState, "make_request_output"),
     (GenerateBaseServing, "_raise_if_error"),
-):
-    assert hasattr(_owner, _name), (
-        f"{_owner.__module__}.{_owner.__name__}.{_name} is gone; update vllm-artifact's "
-        "request_errors hook"
-    )
+)
 
 _MAX_REMEMBERED = 4096
 
@@ -90,6 +87,12 @@ def _id_rule(serving: Any) -> _IdRule:
 FAILURES = _FailureMessages()
 
 
+def record_failure(external_request_id: str, failure: R3Failure) -> None:
+    """Count a request that failed for R3 reasons and keep its message for its HTTP answer."""
+    FAILURES.remember(external_request_id, failure.message)
+    FAILED_REQUESTS.labels(failure.reason).inc()
+
+
 def _wrap_make_request_output(original: Any) -> Any:
     @functools.wraps(original)
     def make_request_output(
@@ -104,8 +107,7 @@ def _wrap_make_request_output(original: Any) -> Any:
         if finish_reason == FinishReason.ERROR:
             failure = r3_failure(stop_reason)
             if failure is not None:
-                FAILURES.remember(self.external_req_id, failure.message)
-                FAILED_REQUESTS.labels(failure.reason).inc()
+                record_failure(self.external_req_id, failure)
         return original(
             self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs
         )

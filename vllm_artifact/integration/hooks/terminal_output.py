@@ -37,19 +37,21 @@ from typing import Any
 import numpy as np
 from starlette.responses import JSONResponse
 from vllm.utils import serial_utils
+from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import RequestState
 
+from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64
-from vllm_artifact.integration.hooks import wrap_once
+from vllm_artifact.integration.hooks import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.after_import import patch_module
+from vllm_artifact.integration.hooks.request_errors import record_failure
 
 logger = logging.getLogger("vllm.artifact")
 
-assert "numpy2base64" in serial_utils.__dict__, (
-    "vllm.utils.serial_utils.numpy2base64 is gone; update vllm-artifact's terminal_output hook"
-)
+_HOOK = "terminal_output"
+require_attributes(_HOOK, (serial_utils, "numpy2base64"))
 #: They import ``numpy2base64`` from ``vllm.utils.serial_utils``, which we wrap at its
 #: source; the modules that have already imported it get the wrap in their globals too. None
 #: of them is imported here: that could close an import cycle vLLM is in the middle of
@@ -65,12 +67,13 @@ _ROUTER_MODULES = (
     "vllm.entrypoints.openai.chat_completion.api_router",
     "vllm.entrypoints.scale_out.token_in_token_out.api_router",
 )
-assert list(inspect.signature(RequestState._new_completion_output).parameters)[:4] == [
-    "self",
-    "token_ids",
-    "finish_reason",
-    "stop_reason",
-], "RequestState._new_completion_output changed; update vllm-artifact's terminal_output hook"
+require_attributes(_HOOK, (RequestState, "_new_completion_output"))
+require(
+    list(inspect.signature(RequestState._new_completion_output).parameters)[:4]
+    == ["self", "token_ids", "finish_reason", "stop_reason"],
+    _HOOK,
+    "RequestState._new_completion_output's parameters changed",
+)
 
 
 def _wrap_new_completion_output(original: Any) -> Any:
@@ -78,23 +81,58 @@ def _wrap_new_completion_output(original: Any) -> Any:
     def _new_completion_output(
         self: Any, token_ids: Any, finish_reason: Any, stop_reason: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        chunks = self.routed_experts_chunks
-        merged = concatenate_into_npy(chunks) if finish_reason is not None and chunks else None
-        if merged is None:
-            output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
-        else:
-            self.routed_experts_chunks = []  # vLLM's concatenation: already done
-            try:
-                output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
-            finally:
-                self.routed_experts_chunks = chunks
-            output.routed_experts = merged
-        transported = output.routed_experts
-        if transported is not None and R3Keys.is_transport(transported):
-            output.routed_experts = R3Keys.from_transport(transported)
-        return output
+        if finish_reason is None or not self.routed_experts_chunks:
+            return original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
+        try:
+            return _finished_output(
+                original, self, token_ids, finish_reason, stop_reason, *args, **kwargs
+            )
+        except Exception as error:
+            # This runs in AsyncLLM's output handler, which serves every request: an
+            # exception here would take the whole API server down. Fail this request only.
+            logger.exception("vllm-artifact: R3 of request %s not assembled", self.external_req_id)
+            failure = R3Failure(
+                "internal",
+                f"R3 (routed experts) for request {self.external_req_id} could not be "
+                f"assembled: {error} (an internal error of vllm-artifact: please report it)",
+            )
+            record_failure(self.external_req_id, failure)
+            self.routed_experts_chunks = []
+            output = original(
+                self, token_ids, FinishReason.ERROR, failure.as_stop_reason(), *args, **kwargs
+            )
+            output.routed_experts = None
+            return output
 
     return _new_completion_output
+
+
+def _finished_output(
+    original: Any,
+    self: Any,
+    token_ids: Any,
+    finish_reason: Any,
+    stop_reason: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A finished request's output, its R3 chunks joined into a ``.npy`` (or its keys
+    handle made an :class:`R3Keys`)."""
+    chunks = self.routed_experts_chunks
+    merged = concatenate_into_npy(chunks)
+    if merged is None:
+        output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
+    else:
+        self.routed_experts_chunks = []  # vLLM's concatenation: already done
+        try:
+            output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
+        finally:
+            self.routed_experts_chunks = chunks
+        output.routed_experts = merged
+    transported = output.routed_experts
+    if transported is not None and R3Keys.is_transport(transported):
+        output.routed_experts = R3Keys.from_transport(transported)
+    return output
 
 
 def _wrap_numpy2base64(original: Any) -> Any:
@@ -127,9 +165,10 @@ def _wrap_json_response(original: type[JSONResponse]) -> type[JSONResponse]:
 
 def _install_json_response(router: ModuleType) -> None:
     current = router.__dict__.get("JSONResponse")
-    assert isinstance(current, type) and issubclass(current, JSONResponse), (
-        f"{router.__name__}.JSONResponse is no longer Starlette's JSONResponse; update "
-        "vllm-artifact's terminal_output hook"
+    require(
+        isinstance(current, type) and issubclass(current, JSONResponse),
+        _HOOK,
+        f"{router.__name__}.JSONResponse is no longer Starlette's JSONResponse",
     )
     wrap_once(router, "JSONResponse", _wrap_json_response)
     logger.info(

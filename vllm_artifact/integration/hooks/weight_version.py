@@ -1,30 +1,52 @@
-"""Hook: forward vLLM's weight version to our scheduler connector.
+"""Hook: check vLLM's weight version before vLLM records it, and forward it to our connector.
 
-Wraps ``vllm.v1.engine.core.EngineCore.set_weight_version`` (the setter behind
-``/update_weight_version`` and ``LLM.set_weight_version``; vLLM keeps the version on the
-EngineCore only, where neither the scheduler nor the workers see it). Our scheduler connector
-then ships it to the worker with every step, and object keys include it. Checked against
-vLLM 0.32.0.
+vLLM keeps the weight version on the EngineCore only (``EngineCore.set_weight_version``, behind
+``LLM.update_weight_version``, ``LLM.llm_engine.set_weight_version``, ``POST
+/update_weight_version`` and ``finish_weight_update``), where neither the scheduler nor the
+workers see it, and accepts any string. Our object keys include it and cannot carry an empty
+string, one over 4096 characters or one that is not valid Unicode: such a version reaching the
+step path would kill the engine. So every setter checks it first
+(:func:`~vllm_artifact.core.keys.check_weight_version`): a bad version raises
+``WeightVersionError`` (a ``ValueError``: HTTP 400 on the server) and the engine keeps its
+version. The frontend setters are checked where the caller is (a clear error, not a failed
+utility call); EngineCore's check covers every other way in. EngineCore's setter then also
+tells our scheduler connector, which ships the version to the worker with every step. Checked
+against vLLM 0.32.0.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
+from types import ModuleType
 from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from vllm_artifact.integration.hooks import wrap_once
+from vllm_artifact.core.keys import check_weight_version
+from vllm_artifact.integration.hooks import require_attributes, wrap_once
+from vllm_artifact.integration.hooks.after_import import patch_module
 
-assert hasattr(EngineCore, "set_weight_version"), (
-    "vllm.v1.engine.core.EngineCore.set_weight_version is gone; update vllm-artifact's "
-    "weight_version hook"
+logger = logging.getLogger("vllm.artifact")
+
+_HOOK = "weight_version"
+require_attributes(_HOOK, (EngineCore, "set_weight_version"))
+
+#: Frontend setters: (module, class, method, name of the version argument). Patched when vLLM
+#: loads the module (the API server never loads the offline engine, and the reverse).
+_FRONTEND_SETTERS = (
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "set_weight_version", "weight_version"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", "update_weight_version", "new_version"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", "finish_weight_update", "weight_version"),
+    ("vllm.entrypoints.rl.offline", "RLOfflineMixin", "finish_weight_update", "weight_version"),
 )
 
 
 def _wrap_set_weight_version(original: Any) -> Any:
     @functools.wraps(original)
     def set_weight_version(self: Any, weight_version: str) -> None:
+        check_weight_version(weight_version)
         original(self, weight_version)
         connector = getattr(getattr(self, "scheduler", None), "aux_output_connector", None)
         setter = getattr(connector, "set_weight_version", None)
@@ -34,5 +56,51 @@ def _wrap_set_weight_version(original: Any) -> Any:
     return set_weight_version
 
 
+def _checking(argument: str, *, optional: bool) -> Any:
+    """A wrap that checks the version argument before the original runs (sync or async)."""
+
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        value = kwargs[argument] if argument in kwargs else (args[0] if args else None)
+        if value is not None or not optional:
+            check_weight_version(value)
+
+    def wrap(original: Any) -> Any:
+        if inspect.iscoroutinefunction(original):
+
+            @functools.wraps(original)
+            async def checked_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+                check(args, kwargs)
+                return await original(self, *args, **kwargs)
+
+            return checked_async
+
+        @functools.wraps(original)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            check(args, kwargs)
+            return original(self, *args, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+def _patch_setters(module: ModuleType) -> None:
+    for module_name, owner_name, method, argument in _FRONTEND_SETTERS:
+        if module_name != module.__name__:
+            continue
+        require_attributes(_HOOK, (module, owner_name))
+        owner = getattr(module, owner_name)
+        require_attributes(_HOOK, (owner, method))
+        wrap_once(owner, method, _checking(argument, optional=method == "finish_weight_update"))
+
+
 def install() -> None:
     wrap_once(EngineCore, "set_weight_version", _wrap_set_weight_version)
+    for module_name, owner_name in dict.fromkeys((m, o) for m, o, *_ in _FRONTEND_SETTERS):
+        if not patch_module(module_name, owner_name, _patch_setters):
+            logger.warning(
+                "vllm-artifact: %s is being imported and has no %s yet; its weight-version "
+                "setters are checked in the engine only (a bad version fails the call there)",
+                module_name,
+                owner_name,
+            )

@@ -12,10 +12,9 @@ from typing import Any
 
 from vllm.v1.worker.gpu import model_runner
 
-assert hasattr(model_runner, "get_aux_output_connector"), (
-    "vllm.v1.worker.gpu.model_runner.get_aux_output_connector is gone; vllm-artifact's "
-    "worker_factory hook was written for vLLM 0.32 and must be updated"
-)
+from vllm_artifact.integration.hooks import require_attributes
+
+require_attributes("worker_factory", (model_runner, "get_aux_output_connector"))
 
 
 def get_artifact_connector(model: Any, vllm_config: Any, kv_cache_config: Any) -> Any:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from vllm_artifact.core.keys import Namespace
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Lease, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
+from vllm_artifact.errors import StoreError
 
 from .conftest import key_for, rows_for
 
@@ -84,3 +88,102 @@ def test_pins_follow_the_pin_change_exactly(
     assert store.stats().pinned_objects == 8
     assert store.unpin(keys) == [True] * 5 + [False] + [True] * 3
     assert store.unpin(keys) == [False] * 9  # each key was pinned once
+
+
+class _StalledStore:
+    """A store whose publications hang until released (a stalled /dev/shm, a stuck page)."""
+
+    def __init__(self, store: ShmStore) -> None:
+        self._store = store
+        self.release = threading.Event()
+        self.layout = store.layout
+
+    def put_blocks(self, *args: Any, **kwargs: Any) -> None:
+        self.release.wait()
+        self._store.put_blocks(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _in_thread(call: Any, bound: float = 10.0) -> Any:
+    """``call()`` in a thread; fails the test if it has not returned within ``bound``."""
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(_outcome(call)), daemon=True)
+    worker.start()
+    worker.join(bound)
+    assert result, f"blocked for more than {bound} s"
+    return result[0]
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except Exception as error:  # the test inspects it
+        return error
+
+
+def test_a_stalled_store_never_blocks_the_step_thread_without_a_bound(
+    store: ShmStore, layout: R3Layout, namespace: Namespace
+) -> None:
+    """The engine's step thread submits and flushes; with the publisher stuck in a store
+    call, a full queue drops the submission after the bound and a flush fails after it
+    (then at once), instead of hanging the engine."""
+    stalled = _StalledStore(store)
+    publisher = BackgroundPublisher(stalled, max_pending_batches=1, stall_timeout=0.3)  # type: ignore[arg-type]
+    keys = [key_for(namespace, i) for i in range(3)]
+    try:
+        runs = [BlockRun([key], rows_for(layout, i), 0) for i, key in enumerate(keys)]
+        assert publisher.submit([runs[0]])  # taken by the thread, which hangs in the store
+        time.sleep(0.1)
+        assert publisher.submit([runs[1]])  # fills the queue
+        assert _in_thread(lambda: publisher.submit([runs[2]])) is False
+        assert publisher.dropped_submissions == 1
+        error = _in_thread(lambda: publisher.flush([keys[0]]))
+        assert isinstance(error, StoreError) and "did not finish within" in str(error)
+        error = _in_thread(lambda: publisher.flush([keys[1]]), bound=0.2)
+        assert isinstance(error, StoreError) and "stalled" in str(error)
+        assert publisher.flush([keys[2]]) is None  # dropped: nothing to wait for
+    finally:
+        stalled.release.set()
+    deadline = time.monotonic() + 10
+    while publisher.published_objects < 2:  # unstuck: it goes on
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    publisher.flush()
+    publisher.close()
+    assert store.exists(keys) == [True, True, False]
+
+
+def test_leases_keep_objects_readable_under_pressure_then_expire(
+    store: ShmStore, publisher: BackgroundPublisher, layout: R3Layout, namespace: Namespace
+) -> None:
+    """Objects a keys handle names stay stored while leased although publications keep
+    evicting (the store holds 128 blocks; 300 more are published), and become evictable
+    when the lease ends. A lease on an absent key pins nothing, so its expiry cannot drop
+    another holder's pin."""
+    bs = layout.block_size
+    leased = [key_for(namespace, i) for i in range(4)]
+    rows = np.concatenate([rows_for(layout, i) for i in range(4)])
+    absent = key_for(namespace, 10_000)
+    publisher.submit([BlockRun(leased, rows, 0), Lease([*leased, absent], 0.5)])
+    publisher.flush()
+    assert publisher.leased_objects == 4 and store.stats().pinned_objects == 4
+    ten_blocks = np.concatenate([rows_for(layout, j) for j in range(10)])
+    for i in range(100, 400, 10):
+        batch = [key_for(namespace, j) for j in range(i, i + 10)]
+        publisher.submit([BlockRun(batch, ten_blocks, 0)])
+    publisher.flush()
+    assert publisher.failures == 0 and store.stats().evictions > 0
+    out = layout.empty(4 * bs)
+    store.read_into(leased, out)  # every other block of the first 100 evicted
+    np.testing.assert_array_equal(out, rows)
+    deadline = time.monotonic() + 10
+    while publisher.leased_objects and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert publisher.leased_objects == 0 and store.stats().pinned_objects == 0
+    for i in range(400, 700, 10):  # no pin left: the old objects go
+        batch = [key_for(namespace, j) for j in range(i, i + 10)]
+        publisher.submit([BlockRun(batch, ten_blocks, 0)])
+    publisher.flush()
+    assert not any(store.exists(leased))

@@ -25,6 +25,7 @@ from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
+from vllm_artifact.errors import WeightVersionError
 
 pytestmark = pytest.mark.engine
 
@@ -248,3 +249,29 @@ def test_weight_version_change_never_reuses_old_objects(llm_a: Any, model_a: Pat
         assert_matches_oracle(model_a, fresh)
     finally:
         llm_a.llm_engine.set_weight_version("default")
+
+
+BAD_WEIGHT_VERSIONS = ["", "v" * 4097, "step-\ud800"]
+
+
+@pytest.mark.parametrize("bad", BAD_WEIGHT_VERSIONS, ids=["empty", "too-long", "lone-surrogate"])
+def test_a_weight_version_keys_cannot_carry_is_refused_and_the_engine_keeps_serving(
+    llm_a: Any, model_a: Path, bad: str
+) -> None:
+    """vLLM accepts any string; before it was checked, the next step raised inside the worker
+    (or EngineCore) and the engine died. Every way in refuses it and keeps the old version."""
+    engine = llm_a.llm_engine
+    with pytest.raises(WeightVersionError, match="weight version"):
+        engine.set_weight_version(bad)
+    with pytest.raises(WeightVersionError, match="keeps its current weight version"):
+        llm_a.update_weight_version(bad)
+    with pytest.raises(WeightVersionError):
+        llm_a.finish_weight_update(bad)
+    # Past the frontend, straight to the engine process: its own check refuses it too (a lone
+    # surrogate cannot even be serialized to it).
+    with pytest.raises(Exception, match="weight version|surrogates not allowed"):
+        engine.engine_core.set_weight_version(bad)
+    assert engine.get_weight_version() == "default"
+    out = llm_a.generate([f"Still serving after a bad weight version {len(bad)}."], GREEDY)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert_matches_oracle(model_a, out)

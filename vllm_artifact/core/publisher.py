@@ -2,17 +2,27 @@
 
 The worker hands full blocks to :class:`BackgroundPublisher` and continues; one thread writes
 them to the store in order. Readers in the same process call :meth:`flush` before reading keys
-that may still be queued (the read-after-write hazard of DESIGN.md section 5): it waits, with a
-bound, until everything submitted so far is durable. A failed publication never raises on the
-step path: it is logged and counted, and the affected keys simply stay absent, so a later hit on
-them fails closed as "missing" for that request only.
+that may still be queued (the read-after-write hazard): it waits, with a bound, until those keys
+are durable. A failed publication never raises on the step path: it is logged and counted, and
+the affected keys simply stay absent, so a later hit on them fails closed as "missing" for that
+request only. A stalled store cannot hang the engine either: a full queue drops the submission
+after ``stall_timeout`` (counted as a failure), and a flush that waited that long raises
+``StoreError`` (the reading request fails) and later flushes fail at once until the thread
+makes progress again.
+
+Leases (:class:`Lease`) keep the objects a keys-only handle names pinned for a while after the
+request's end, so a trainer reading the handle within the lease finds them whatever the store's
+pressure; the publishing thread drops each lease's pins when it expires.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -22,7 +32,7 @@ from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, KeyCollisionError, StoreError
 
-__all__ = ["BackgroundPublisher", "BlockRun", "PinChange"]
+__all__ = ["BackgroundPublisher", "BlockRun", "Lease", "PinChange"]
 
 logger = logging.getLogger("vllm.artifact.publisher")
 
@@ -44,19 +54,47 @@ class PinChange(NamedTuple):
     pin: bool
 
 
+class Lease(NamedTuple):
+    """Pin each of ``keys`` that is stored for ``seconds`` (one pin reference each, dropped by
+    the publishing thread at expiry), in order with publication."""
+
+    keys: Sequence[ObjectKey]
+    seconds: float
+
+
+Submission = BlockRun | PinChange | Lease
+
+#: Default bound on waiting for a stalled store (queue full, or a flush).
+STALL_TIMEOUT_S = 10.0
+
+
 class BackgroundPublisher:
     """Single publishing thread in front of one writable store."""
 
-    def __init__(self, store: ObjectStore, *, max_pending_batches: int = 1024) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        max_pending_batches: int = 1024,
+        stall_timeout: float = STALL_TIMEOUT_S,
+    ) -> None:
         self._store = store
-        self._queue: queue.Queue[list[BlockRun | PinChange] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[int, list[Submission]] | None] = queue.Queue(
             maxsize=max_pending_batches
         )
+        self.stall_timeout = stall_timeout
+        self._stalled_at: int | None = None  # ``_finished`` when a flush last timed out
+        self.dropped_submissions = 0  # submissions dropped on a full queue
+        # Lease expiries: (deadline, sequence, keys pinned), and how many keys they hold.
+        self._leases: list[tuple[float, int, list[ObjectKey]]] = []
+        self._lease_ids = itertools.count()
+        self._leased = 0
         self._failures = 0
         self._collisions = 0  # recomputed blocks whose rows differed from the stored object
         self._published_objects = 0
-        self._submitted = 0  # batches handed to submit()
-        self._finished = 0  # batches the thread is done with (published or failed)
+        self._submitted = 0  # batches handed to submit(), numbered from 1
+        self._finished = 0  # every batch up to this number is done (published, failed, dropped)
+        self._finished_ahead: set[int] = set()  # batches done out of order (dropped)
         # Objects queued but not yet written, with the batch number that writes them.
         self._queued: dict[ObjectKey, int] = {}
         self._progress = threading.Condition()
@@ -79,22 +117,49 @@ class BackgroundPublisher:
     def published_objects(self) -> int:
         return self._published_objects
 
-    def submit(self, runs: Sequence[BlockRun | PinChange]) -> None:
-        """Queue blocks for publication and pin changes, executed in order (blocks the caller
-        only if the queue is full)."""
+    @property
+    def leased_objects(self) -> int:
+        """Objects pinned by leases that have not expired yet."""
+        return self._leased
+
+    def submit(self, runs: Sequence[Submission]) -> bool:
+        """Queue blocks for publication, pin changes and leases, executed in order. Waits only
+        if the queue is full, for at most ``stall_timeout``: then the submission is dropped
+        (logged and counted; its blocks stay absent, so hits on them fail closed) and False
+        is returned. Never raises on the step path but when closed."""
         if self._closed:
             raise StoreError("the R3 publisher is closed")
-        if runs:
-            with self._progress:
-                self._submitted += 1
-                for run in runs:
-                    if isinstance(run, BlockRun):
-                        self._queued.update(dict.fromkeys(run.keys, self._submitted))
-            self._queue.put(list(runs))
+        if not runs:
+            return True
+        batch = list(runs)
+        with self._progress:
+            self._submitted += 1
+            number = self._submitted
+            for run in batch:
+                if isinstance(run, BlockRun):
+                    self._queued.update(dict.fromkeys(run.keys, number))
+        try:
+            self._queue.put((number, batch), timeout=self.stall_timeout)
+            return True
+        except queue.Full:
+            self._finish(number, batch)
+            self._failures += 1
+            self.dropped_submissions += 1
+            logger.error(
+                "vllm-artifact: the R3 publisher has not taken a submission for %.1f s (store "
+                "stalled? check /dev/shm); %d objects not published, later hits on them fail "
+                "closed",
+                self.stall_timeout,
+                sum(len(run.keys) for run in batch if isinstance(run, BlockRun)),
+            )
+            return False
 
-    def flush(self, keys: Sequence[ObjectKey] | None = None, timeout: float = 30.0) -> None:
+    def flush(self, keys: Sequence[ObjectKey] | None = None, timeout: float | None = None) -> None:
         """Wait until every object submitted so far (or only those of ``keys`` still queued)
-        was published or failed."""
+        was published or failed; raises ``StoreError`` after ``timeout`` (default
+        ``stall_timeout``), and at once while the thread has made no progress since a flush
+        last timed out."""
+        wait = self.stall_timeout if timeout is None else timeout
         with self._progress:
             if keys is None:
                 target = self._submitted
@@ -102,11 +167,32 @@ class BackgroundPublisher:
                 target = max((self._queued.get(key, 0) for key in keys), default=0)
             if target <= self._finished:
                 return
-            if not self._progress.wait_for(lambda: self._finished >= target, timeout):
+            if self._stalled_at == self._finished:
                 raise StoreError(
-                    f"R3 publication did not finish within {timeout:.0f} s; the store may be "
+                    "R3 publication is stalled (no progress since an earlier wait timed out); "
+                    "the store may be unusable (check /dev/shm)"
+                )
+            if not self._progress.wait_for(lambda: self._finished >= target, wait):
+                self._stalled_at = self._finished
+                raise StoreError(
+                    f"R3 publication did not finish within {wait:.0f} s; the store may be "
                     "stalled (check /dev/shm)"
                 )
+
+    def _finish(self, number: int, batch: list[Submission]) -> None:
+        """Submission ``number`` is done (published, failed or dropped): forget its keys and
+        advance ``_finished`` over every submission done without a gap."""
+        with self._progress:
+            for run in batch:
+                if isinstance(run, BlockRun):
+                    for key in run.keys:
+                        if self._queued.get(key) == number:
+                            del self._queued[key]
+            self._finished_ahead.add(number)
+            while self._finished + 1 in self._finished_ahead:
+                self._finished += 1
+                self._finished_ahead.remove(self._finished)
+            self._progress.notify_all()
 
     def close(self) -> None:
         if self._closed:
@@ -117,22 +203,47 @@ class BackgroundPublisher:
 
     def _run(self) -> None:
         while True:
-            runs = self._queue.get()
-            if runs is None:
-                return
             try:
-                self._publish(runs)
+                item = self._queue.get(timeout=self._until_next_expiry())
+            except queue.Empty:
+                self._expire_leases()
+                continue
+            if item is None:
+                return
+            number, batch = item
+            try:
+                self._publish(batch)
             finally:
-                with self._progress:
-                    self._finished += 1
-                    for run in runs:
-                        if isinstance(run, BlockRun):
-                            for key in run.keys:
-                                if self._queued.get(key) == self._finished:
-                                    del self._queued[key]
-                    self._progress.notify_all()
+                self._finish(number, batch)
+            if self._leases:
+                self._expire_leases()
 
-    def _publish(self, runs: list[BlockRun | PinChange]) -> None:
+    def _until_next_expiry(self) -> float | None:
+        if not self._leases:
+            return None
+        return max(0.0, self._leases[0][0] - time.monotonic())
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        while self._leases and self._leases[0][0] <= now:
+            _, _, keys = heapq.heappop(self._leases)
+            self._leased -= len(keys)
+            try:
+                self._store.unpin(keys)
+            except Exception:
+                logger.exception("vllm-artifact: unpinning %d leased R3 objects failed", len(keys))
+
+    def _lease(self, lease: Lease) -> None:
+        """Pin the stored ones of ``lease.keys`` until the lease ends (absent keys are not
+        pinned, so their expiry cannot drop another holder's pin)."""
+        keys = list(lease.keys)
+        pinned = [key for key, ok in zip(keys, self._store.pin(keys), strict=True) if ok]
+        if pinned:
+            deadline = time.monotonic() + lease.seconds
+            heapq.heappush(self._leases, (deadline, next(self._lease_ids), pinned))
+            self._leased += len(pinned)
+
+    def _publish(self, runs: list[Submission]) -> None:
         objects = sum(len(run.keys) for run in runs if isinstance(run, BlockRun))
         try:
             blocks: list[BlockRun] = []  # consecutive runs, written as one store batch
@@ -143,12 +254,16 @@ class BackgroundPublisher:
                 if blocks:
                     # The usual step: its new blocks, then a pin on each of them (one
                     # store pass instead of two).
-                    pin_all = run is not None and run.pin and _pins_each_once(run.keys, blocks)
+                    pin_all = (
+                        isinstance(run, PinChange) and run.pin and _pins_each_once(run.keys, blocks)
+                    )
                     self._put(blocks, pin=pin_all)
                     blocks = []
                     if pin_all:
                         continue
-                if run is not None:
+                if isinstance(run, Lease):
+                    self._lease(run)
+                elif run is not None:
                     (self._store.pin if run.pin else self._store.unpin)(run.keys)
             self._published_objects += objects
         except ArtifactError as error:

@@ -7,10 +7,12 @@ import gc
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from vllm_artifact.core import Namespace, ObjectKey, R3Layout, full_block_key
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.store.shm_arena import ArenaGeometry
+from vllm_artifact.core.store.shm_metrics import StoreMetrics
 
 # Small geometry: 6 layers (layer 2 dense) x top-4, 16-token blocks = 384 B/block.
 SMALL = R3Layout(num_layers=6, top_k=4, num_experts=64, block_size=16, dense_layers=(2,))
@@ -42,6 +45,78 @@ def shm_root() -> Iterator[str]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Callable[[int], str]]:
+    """Mounts a tmpfs of a given size on a fresh 0700 directory under /dev/shm (a trusted
+    root must be strictly under /dev/shm) and unmounts it afterwards. The suite runs as root.
+    ``mount(size)`` returns the mount point; ``mount.resize(path, size)`` remounts it."""
+    mounts: list[str] = []
+
+    def mount(size_bytes: int) -> str:
+        path = f"/dev/shm/vllm-artifact-test-tmpfs-{secrets.token_hex(4)}"
+        os.mkdir(path, 0o700)
+        mounts.append(path)
+        opts = f"size={size_bytes},mode=0700,uid={os.geteuid()},gid={os.getegid()}"
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path], check=True)
+        return path
+
+    try:
+        yield mount
+    finally:
+        for path in mounts:
+            gc.collect()  # drop mappings of closed stores' leftover views
+            if subprocess.run(["umount", path], check=False).returncode:
+                subprocess.run(["umount", "-l", path], check=False)
+            os.rmdir(path)
+
+
+def remount_tmpfs(path: str, size_bytes: int) -> None:
+    """Give a ``small_tmpfs`` mount another size (its files stay)."""
+    subprocess.run(["mount", "-o", f"remount,size={size_bytes}", path], check=True)
+
+
+def assert_store_consistent(store: ShmStore) -> None:
+    """The writer's view of ``store`` agrees with its arena and index: no slot is left odd
+    (being written); the slot table's occupancy is exactly the slots whose envelope is
+    published, and its object and pin counts are recounts; a fresh reader counts the same
+    objects; every index entry points to a published object of its key (tag and bucket) and
+    every object has exactly one entry; the exported counters say the same."""
+    arena = store._live()
+    table = store._slots
+    assert table is not None
+    seq = arena.seq
+    odd = np.flatnonzero(seq & np.uint64(1))
+    assert not len(odd), f"slots left odd (being written): {odd.tolist()}"
+    published = (arena.headers["magic"] != 0) & (seq > 0)
+    assert np.array_equal(table.occupied, published), (
+        f"slot table occupied {np.flatnonzero(table.occupied).tolist()}, "
+        f"arena published {np.flatnonzero(published).tolist()}"
+    )
+    assert table.objects == int(np.count_nonzero(table.occupied))
+    assert table.pinned == int(np.count_nonzero(table.pins))
+    assert not table.pins[~table.occupied].any(), "pins on empty slots"
+    stats = store.stats()
+    with ShmStore.open_reader(store.root, store.name) as reader:
+        assert reader.stats().objects == stats.objects
+    index = store._index.table
+    buckets, ways = np.nonzero(index)
+    entries = index[buckets, ways]
+    slots = (entries & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1
+    assert (slots < len(seq)).all(), "index entries point outside the arena"
+    assert published[slots].all(), "index entries point to empty slots"
+    k0, k1 = arena.words[slots, 1], arena.words[slots, 2]
+    assert ((entries >> np.uint64(32)) == (k1 >> np.uint64(32))).all(), "entry tag is wrong"
+    mask = np.uint64(len(index) - 1)
+    home = (buckets == (k0 & mask)) | (buckets == ((k0 >> np.uint64(32)) & mask))
+    assert home.all(), "index entries outside their key's two buckets"
+    assert sorted(slots.tolist()) == np.flatnonzero(published).tolist(), (
+        "not exactly one index entry per object"
+    )
+    snapshot = StoreMetrics.read(Path(store.root) / store.name)
+    assert snapshot is not None
+    assert (snapshot.objects, snapshot.pinned_objects) == (stats.objects, stats.pinned_objects)
 
 
 def rows_for(layout: R3Layout, seed: int, n_tokens: int | None = None) -> np.ndarray:

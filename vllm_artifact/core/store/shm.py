@@ -51,7 +51,7 @@ from vllm_artifact.core.store.shm_arena import (
     open_arena,
 )
 from vllm_artifact.core.store.shm_gc import StaleStoreDir, WriterLock, collect_expired_stores
-from vllm_artifact.core.store.shm_index import HashIndex
+from vllm_artifact.core.store.shm_index import BUCKET_WAYS, HashIndex
 from vllm_artifact.core.store.shm_metrics import METRICS_NAME, StoreMetrics
 from vllm_artifact.core.store.shm_root import (
     _lexical,
@@ -251,10 +251,13 @@ class ShmStore(ObjectStore):
                         time.sleep(0.05 * (attempt + 1))
                         continue
                     try:
-                        arena, recovery = cls._open_writer_arena(dir_fd, geometry, root_path, where)
+                        # The small metrics file first: the arena's space check then counts
+                        # what is really left for the arena.
                         metrics = StoreMetrics.create(
-                            open_file(dir_fd, METRICS_NAME, os.O_RDWR | os.O_CREAT, where=where)
+                            open_file(dir_fd, METRICS_NAME, os.O_RDWR | os.O_CREAT, where=where),
+                            where=where,
                         )
+                        arena, recovery = cls._open_writer_arena(dir_fd, geometry, root_path, where)
                     except BaseException:
                         lock.release()
                         raise
@@ -297,7 +300,6 @@ class ShmStore(ObjectStore):
         for entry in os.scandir(dir_fd):
             if entry.name.startswith(TMP_PREFIX):
                 os.unlink(entry.name, dir_fd=dir_fd)  # an interrupted creation
-        old_size = 0
         reason = "new store"
         try:
             arena = open_arena(dir_fd, writable=True, where=where)
@@ -305,15 +307,18 @@ class ShmStore(ObjectStore):
             pass
         except StoreFormatError as err:
             reason = f"unreadable arena replaced ({err})"
-            old_size = os.stat(ARENA_NAME, dir_fd=dir_fd, follow_symlinks=False).st_size
         else:
             if arena.geometry == geometry:
                 dropped = _recover(arena)
                 return arena, RecoveryReport(False, "reopened", *dropped)
             reason = "layout or capacity changed; old objects dropped"
-            old_size = arena.geometry.file_nbytes
             arena.close()
-        check_shm_space(root, geometry.file_nbytes, reclaimable_bytes=old_size)
+        if reason != "new store":
+            # Unlinked before the new one is allocated: a store that changes capacity needs
+            # room for the new arena only. (Its pages are freed once no reader maps it; the
+            # space check below sees what is really free.)
+            os.unlink(ARENA_NAME, dir_fd=dir_fd)
+        check_shm_space(root, geometry.file_nbytes)
         arena = create_arena(dir_fd, geometry, where=where)
         logger.info("R3 store %s: created arena (%s)", where, reason)
         return arena, RecoveryReport(True, reason, 0, 0, 0)
@@ -358,7 +363,12 @@ class ShmStore(ObjectStore):
             arena, self._arena = self._arena, None
             if arena is None:
                 return
+            # The index views the mapping too: drop it, or the unmap waits for the collector
+            # (and the old arena's pages stay allocated after a replace in this process).
+            self._index = HashIndex(np.zeros((1, BUCKET_WAYS), dtype="<u8"))
             arena.close()
+            if self._metrics is not None:
+                self._metrics.close()
             if self._lock is not None:
                 self._lock.heartbeat(force=True)
                 self._lock.release()

@@ -29,7 +29,6 @@ see a half-initialized arena.
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import secrets
@@ -43,8 +42,8 @@ import xxhash
 from vllm_artifact.core.envelope import HEADER_DTYPE, HEADER_NBYTES
 from vllm_artifact.core.schema import DTYPE_CODES, MAX_LAYERS, R3Layout
 from vllm_artifact.core.store.shm_index import BUCKET_WAYS, index_buckets_for
-from vllm_artifact.core.store.shm_root import open_file
-from vllm_artifact.errors import SchemaError, ShmSpaceError, StoreFormatError
+from vllm_artifact.core.store.shm_root import allocate, open_file
+from vllm_artifact.errors import SchemaError, StoreFormatError
 
 __all__ = ["ARENA_NAME", "Arena", "ArenaGeometry", "create_arena", "open_arena"]
 
@@ -265,16 +264,7 @@ def create_arena(dir_fd: int, geometry: ArenaGeometry, *, where: str) -> Arena:
     tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     fd = open_file(dir_fd, tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, where=where)
     try:
-        try:
-            os.posix_fallocate(fd, 0, geometry.file_nbytes)
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                raise ShmSpaceError(
-                    f"/dev/shm ran out of space allocating a {geometry.file_nbytes / 2**20:.0f} "
-                    "MiB R3 store. Give the container more shared memory (docker "
-                    "--shm-size=<size> or --ipc=host), or set a smaller --artifact-capacity."
-                ) from err
-            raise
+        allocate(fd, geometry.file_nbytes, what="its arena", where=where)
         os.pwrite(fd, _superblock(geometry, incarnation), 0)
         mm = mmap.mmap(fd, geometry.file_nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         os.rename(tmp, ARENA_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

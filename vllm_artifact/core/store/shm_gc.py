@@ -25,7 +25,7 @@ import socket
 import stat
 import time
 
-from vllm_artifact.core.store.shm_root import check_store_name, open_file, open_root
+from vllm_artifact.core.store.shm_root import allocate, check_store_name, open_file, open_root
 from vllm_artifact.errors import StoreError, StoreNotFoundError, WriterConflictError
 
 __all__ = ["LOCK_NAME", "TRASH_PREFIX", "WriterLock", "collect_expired_stores"]
@@ -78,6 +78,7 @@ class WriterLock:
                 {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
             ).encode()
             os.ftruncate(fd, 0)
+            allocate(fd, len(info), what="its writer lock file", where=where)
             os.pwrite(fd, info, 0)
             os.utime(fd)
         except BaseException:

@@ -12,12 +12,15 @@ grow).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from vllm_artifact.core.store.shm_root import allocate
 
 __all__ = ["LATENCY_BUCKETS", "METRICS_NAME", "Histogram", "MetricsSnapshot", "StoreMetrics"]
 
@@ -72,22 +75,33 @@ class MetricsSnapshot:
 class StoreMetrics:
     """The writer's counters, mapped from ``<store dir>/metrics``."""
 
-    def __init__(self, words: np.ndarray) -> None:
+    def __init__(self, words: np.ndarray, mapping: mmap.mmap | None = None) -> None:
         self._w = words
+        self._mapping = mapping
 
     @classmethod
-    def create(cls, fd: int) -> StoreMetrics:
+    def create(cls, fd: int, *, where: str) -> StoreMetrics:
         """Start counting for a writer on the open ``metrics`` file ``fd`` (closed here);
-        counters restart with the writer process."""
+        counters restart with the writer process. The file is allocated before it is mapped:
+        a sparse page that /dev/shm cannot back would be a SIGBUS at its first write."""
         try:
             os.ftruncate(fd, 0)
-            os.ftruncate(fd, _WORDS * 8)
+            allocate(fd, _WORDS * 8, what="its metrics file", where=where)
             mapping = mmap.mmap(fd, _WORDS * 8)
         finally:
             os.close(fd)
         words = np.frombuffer(mapping, dtype=np.float64)
         words[_MAGIC_AT] = float(_MAGIC)
-        return cls(words)
+        return cls(words, mapping)
+
+    def close(self) -> None:
+        """Unmap the file (the writer closes its store); later updates go nowhere."""
+        mapping, self._mapping = self._mapping, None
+        self._w = np.zeros(_WORDS, dtype=np.float64)
+        if mapping is not None:
+            # A view still exported: the mapping goes when it is collected.
+            with contextlib.suppress(BufferError):
+                mapping.close()
 
     @staticmethod
     def read(store_dir: Path) -> MetricsSnapshot | None:

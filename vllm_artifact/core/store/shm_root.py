@@ -10,6 +10,7 @@ and checked with ``fstat`` (owner, type, mode 0600) after opening.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -18,6 +19,7 @@ from vllm_artifact.errors import ShmSpaceError, StoreNotFoundError, UnsafeRootEr
 
 __all__ = [
     "SHM_MOUNT",
+    "allocate",
     "check_root",
     "check_shm_space",
     "check_store_name",
@@ -28,6 +30,12 @@ __all__ = [
 ]
 
 SHM_MOUNT = "/dev/shm"
+#: errno values of a file system (or memory cgroup) that cannot back more pages.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENOMEM})
+_SPACE_FIX = (
+    "Give the container more shared memory (docker --shm-size=<size> or --ipc=host), or set "
+    "a smaller --artifact-capacity."
+)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -174,6 +182,25 @@ def open_file(dir_fd: int, name: str, flags: int, *, where: str) -> int:
     return fd
 
 
+def allocate(fd: int, nbytes: int, *, what: str, where: str) -> None:
+    """Back the first ``nbytes`` of the file ``fd`` with memory now (``posix_fallocate``).
+
+    Every file the store maps or writes is allocated up front: a page of a sparse tmpfs file
+    is allocated when it is first touched, and if /dev/shm is full then, a mapped write dies
+    with SIGBUS (and again at every restart). Here a full /dev/shm is a
+    :class:`ShmSpaceError` that names the fix.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno in _NO_SPACE:
+            raise ShmSpaceError(
+                f"{SHM_MOUNT} has no room for {what} of R3 store {where} ({nbytes} bytes): "
+                f"{os.strerror(err.errno)}. {_SPACE_FIX}"
+            ) from err
+        raise
+
+
 def check_shm_space(
     root: str | os.PathLike[str], needed_bytes: int, *, reclaimable_bytes: int = 0
 ) -> None:
@@ -188,7 +215,10 @@ def check_shm_space(
     free = st.f_bavail * st.f_frsize + reclaimable_bytes
     if free < needed_bytes:
         raise ShmSpaceError(
-            f"{SHM_MOUNT} has {free / 2**20:.0f} MiB free but the R3 store needs "
-            f"{needed_bytes / 2**20:.0f} MiB. Give the container more shared memory "
-            "(docker --shm-size=<size> or --ipc=host), or set a smaller --artifact-capacity."
+            f"{SHM_MOUNT} has {_size(free)} free but the R3 store needs {_size(needed_bytes)}. "
+            f"{_SPACE_FIX}"
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 10 * 2**20 else f"{nbytes / 2**10:.0f} KiB"

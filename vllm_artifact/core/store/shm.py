@@ -728,10 +728,13 @@ class ShmStore(ObjectStore):
 
     def _put_batch(self, batch: _Batch, pin: bool) -> None:
         started = time.perf_counter()
-        self._put_batch_untimed(batch, pin)
+        try:
+            self._put_batch_untimed(batch, pin)
+        finally:
+            # Also after a failed put: it may have evicted victims.
+            self._count_occupancy()
         if self._metrics is not None:
             self._metrics.observe_publish(time.perf_counter() - started, len(batch.keys))
-            self._count_occupancy()
 
     def _put_batch_untimed(self, batch: _Batch, pin: bool) -> None:
         _, slots_tab = self._writer()
@@ -749,8 +752,12 @@ class ShmStore(ObjectStore):
             found[d] = False
         kept = loc.slots[found]
         published = self._publish(words, batch, np.flatnonzero(~found), kept)
-        if pin:  # one slot per distinct key of the (deduplicated) batch
-            slots_tab.pin(np.concatenate((kept, published)), distinct=True)
+        try:
+            if pin:  # one slot per distinct key of the (deduplicated) batch
+                slots_tab.pin(np.concatenate((kept, published)), distinct=True)
+        except BaseException:
+            self._abandon(published)  # a put that raises stores nothing new
+            raise
         slots_tab.touch(kept)
         if self._lock is not None:
             self._lock.heartbeat()
@@ -824,8 +831,22 @@ class ShmStore(ObjectStore):
             batch = batch.deduplicated()
         return batch
 
+    def _abandon(self, slots: np.ndarray) -> None:
+        """Undo a publication into ``slots`` that failed part-way, wherever it stopped: drop
+        every index entry that points into them (the batch's own, and the victims' if the
+        failure came before they were unindexed), retire them with an even seq, and free them
+        in the slot table. Victims already evicted stay evicted."""
+        if not len(slots):
+            return
+        self._index.remove_slots(slots)
+        self._mark_empty(slots)
+        slots_tab = self._slots
+        assert slots_tab is not None
+        slots_tab.release(slots)
+
     def _mark_empty(self, slots: np.ndarray) -> None:
-        """Retire objects: odd seq, clear the envelope, even seq (writer only)."""
+        """Retire objects: odd seq, clear the envelope, even seq (writer only; an odd seq, left
+        by a publication that failed, ends even too)."""
         arena = self._live()
         seq = arena.seq
         seq[slots] = seq[slots] | np.uint64(1)
@@ -853,32 +874,36 @@ class ShmStore(ObjectStore):
                 "--artifact-capacity to at least the KV cache size in blocks."
             )
         slots, evicted = got
-        if evicted.any():
-            victims = slots[evicted]
-            old = arena.headers[victims]
-            self._index.remove(np.stack((old["key0"], old["key1"]), axis=1), victims)
-        seq = arena.seq
-        odd = seq[slots] + np.uint64(1)
-        seq[slots] = odd  # 1. odd: being written
-        new_words = words[new]
-        starts, n_tokens = batch.starts[new], batch.n_tokens[new]
-        env = self._hw.build(new_words, starts, n_tokens)
-        env[:, HeaderWords.SEQ] = odd
-        seeds = self._hw.seeds_for(new_words, starts, n_tokens)
-        sums = list(map(checksum, batch.src_views(new), seeds))
-        self._write_payloads(batch, new, slots)  # 2. payload
-        env[:, HeaderWords.CSUM] = sums
-        arena.words[slots] = env  # 3. envelope (seq still odd)
-        seq[slots] = odd + np.uint64(1)  # 4. even: published
-        failed = self._index.insert(new_words, slots)  # 5. visible by key
-        slots_tab.fill(slots)
-        if len(failed):
-            self._mark_empty(slots[failed])
-            slots_tab.release(slots[failed])
-            raise CapacityError(
-                f"R3 store {self.root}/{self.name}: the hash index has no room for "
-                f"{len(failed)} keys (both buckets full). Increase --artifact-capacity."
-            )
+        # From here on any exception (KeyboardInterrupt too) undoes the publication: an odd
+        # slot left behind would make the next publication into it even while being written.
+        try:
+            if evicted.any():
+                victims = slots[evicted]
+                old = arena.headers[victims]
+                self._index.remove(np.stack((old["key0"], old["key1"]), axis=1), victims)
+            seq = arena.seq
+            odd = seq[slots] | np.uint64(1)  # odd even if a failed publication left it odd
+            seq[slots] = odd  # 1. odd: being written
+            new_words = words[new]
+            starts, n_tokens = batch.starts[new], batch.n_tokens[new]
+            env = self._hw.build(new_words, starts, n_tokens)
+            env[:, HeaderWords.SEQ] = odd
+            seeds = self._hw.seeds_for(new_words, starts, n_tokens)
+            sums = list(map(checksum, batch.src_views(new), seeds))
+            self._write_payloads(batch, new, slots)  # 2. payload
+            env[:, HeaderWords.CSUM] = sums
+            arena.words[slots] = env  # 3. envelope (seq still odd)
+            seq[slots] = odd + np.uint64(1)  # 4. even: published
+            failed = self._index.insert(new_words, slots)  # 5. visible by key
+            if len(failed):
+                raise CapacityError(
+                    f"R3 store {self.root}/{self.name}: the hash index has no room for "
+                    f"{len(failed)} keys (both buckets full). Increase --artifact-capacity."
+                )
+            slots_tab.fill(slots)
+        except BaseException:
+            self._abandon(slots)
+            raise
         return slots
 
     def _write_payloads(self, batch: _Batch, new: np.ndarray, slots: np.ndarray) -> None:

@@ -116,6 +116,13 @@ class HashIndex:
             r, c = np.nonzero(match)
             self.table[buckets[r], c] = 0
 
+    def remove_slots(self, slots: np.ndarray) -> None:
+        """Clear every entry that points into ``slots``, whatever its key (writer only; a
+        publication that failed part-way). A pass over the whole table: not for hot paths."""
+        pointed = self.table & _LOW32  # slot + 1; 0 for an empty entry
+        hit = np.isin(pointed, slots.astype(np.uint64) + np.uint64(1))
+        self.table[hit] = 0
+
     def insert(self, words: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Insert key -> slot entries (writer only); returns indices that failed.
 

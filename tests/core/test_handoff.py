@@ -16,9 +16,10 @@ from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, R3Reader, decode_r3
 from vllm_artifact.core import Namespace, full_block_keys, tail_block_key
-from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.handoff import RowsDigest, StoreAddress
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.errors import (
+    KeyCollisionError,
     ObjectCorruptError,
     ObjectMissingError,
     SchemaError,
@@ -207,3 +208,31 @@ def test_hostile_store_address_is_refused(store: ShmStore, root: str | None, nam
     address = StoreAddress(root=root or store.root, name=name)
     with R3Reader() as reader, pytest.raises(UnsafeRootError):
         reader.read(handle.model_copy(update={"store": address}))
+
+
+def test_a_handle_resolves_to_its_requests_rows_or_not_at_all(store: ShmStore) -> None:
+    """The store keeps the first object under a key; a request that computed the same blocks
+    with other routing (nondeterministic kernels) must not be handed those rows: its handle's
+    digest of its own rows does not match, and the read fails closed."""
+    keys, rows = _publish(store, 2, 5)
+    fields = {"first_row": 3, "num_rows": 2 * BS + 2}
+    own = _handle(store.root, keys, **fields, last_block_tokens=5).model_copy(
+        update={"rows_xxh3": RowsDigest.of(rows[3 : 3 + 2 * BS + 2])}
+    )
+    np.testing.assert_array_equal(decode_r3(own.to_json()).experts, rows[3 : 3 + 2 * BS + 2])
+    other = rows.copy()
+    other[BS + 1, 0, 0] ^= 1  # another request's routing in the second block
+    theirs = own.model_copy(update={"rows_xxh3": RowsDigest.of(other[3 : 3 + 2 * BS + 2])})
+    with R3Reader(timeout=0.05) as reader, pytest.raises(KeyCollisionError, match="other routing"):
+        reader.read(theirs)
+    with pytest.raises(SchemaError, match="rows_xxh3"):
+        R3Keys.from_json(own.to_json().replace(own.rows_xxh3 or "", "not hex"))
+
+
+def test_rows_digest_fed_step_by_step_equals_one_pass() -> None:
+    rows = rows_for(SMALL, 9, 37)
+    digest = RowsDigest()
+    for lo, hi in ((0, 20), (20, 21), (21, 37)):
+        digest.add(rows[lo:hi])
+    assert digest.rows == 37 and digest.hexdigest() == RowsDigest.of(rows)
+    assert RowsDigest.of(rows[:36]) != RowsDigest.of(rows)

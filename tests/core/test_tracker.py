@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -579,4 +580,41 @@ def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:
         len(run.keys) for runs in publisher.submitted for run in runs if isinstance(run, BlockRun)
     )
     assert published >= steps // BS * n  # every request completed a block every BS steps
+    store.close()
+
+
+def test_a_keys_handles_objects_are_leased_then_released(shm_root: str, layout: R3Layout) -> None:
+    """A finished keys-only request (``leased``) keeps its full blocks and its tail pinned for
+    the lease, even after the KV cache evicted its blocks; another request's are not leased.
+    When the lease ends its objects can be evicted again."""
+    store = ShmStore.create_or_open_writer(
+        shm_root, "s", layout=layout, capacity_bytes=64 * layout.block_nbytes * 2
+    )
+    publisher = BackgroundPublisher(store)
+    t = RequestTracker(
+        layout, "model", store, publisher, buffer_max_bytes=1 << 20, lease_seconds=0.5
+    )
+    try:
+        for rid in ("keys", "array"):
+            t.admit(rid, 0)
+            t.add_block_hashes(rid, hashes(rid, 2))
+            step(t, rid, 0, rows_for(layout, 7, 2 * BS + 5))
+        tail = TailBlock(TAIL_HASH, 2 * BS, 5)
+        t.finish_all([("keys", tail), ("array", tail)], leased={"keys"})
+        t.kv_evicted([eviction_id(h) for rid in ("keys", "array") for h in hashes(rid, 2)])
+        publisher.flush()
+        assert t.pinned == 0  # no KV pin left
+        leased = [*full_block_keys(t.namespace, hashes("keys", 2))]
+        leased.append(tail_block_key(t.namespace, TAIL_HASH, 5))
+        assert publisher.leased_objects == 3
+        assert store.stats().pinned_objects == 3
+        assert store.unpin(leased) == [True] * 3  # exactly the handle's objects were pinned
+        store.pin(leased)
+    finally:
+        publisher.flush()
+    deadline = time.monotonic() + 10
+    while publisher.leased_objects and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert publisher.leased_objects == 0 and store.stats().pinned_objects == 0
+    publisher.close()
     store.close()

@@ -34,7 +34,8 @@ def servers(model_a: Path, model_b: Path, store_root: Path) -> Iterator[list[Run
     # The upstream spelling --enable-return-routed-experts keeps working.
     args_b = ["--enable-return-routed-experts"]
     specs = [(model_a, [*args_a, "--artifact-root", str(store_root)]), (model_b, args_b)]
-    with vllm_servers(specs) as started:
+    # Dev mode serves vLLM's RL endpoints (/update_weight_version, /finish_weight_update).
+    with vllm_servers(specs, env={"VLLM_SERVER_DEV_MODE": "1"}) as started:
         yield started
 
 
@@ -250,6 +251,52 @@ def test_bad_r3_request_options_are_400(
     assert reply.status_code == 400, reply.text
     assert says in reply.json()["error"]["message"]
     assert post(server_a, "/v1/completions", greedy_body(model_a, 2, prompt="Still up."))
+
+
+@pytest.mark.parametrize("bad", ["", "v" * 4097], ids=["empty", "too-long"])
+def test_a_bad_weight_version_over_http_is_400_and_the_engine_keeps_serving(
+    server_a: RunningServer, model_a: Path, bad: str
+) -> None:
+    """POST /update_weight_version and /finish_weight_update (vLLM's RL endpoints, dev mode)
+    with a version our keys cannot carry: a 400 that says what to send, the old version
+    kept, the engine serving (before the check, the next step killed it)."""
+    base = server_a.base_url
+    for path, body in (
+        ("/update_weight_version", {"new_version": bad}),
+        ("/finish_weight_update", {"weight_version": bad}),
+    ):
+        reply = requests.post(base + path, json=body, timeout=60)
+        assert reply.status_code == 400, (path, reply.status_code, reply.text)
+        assert "weight version" in reply.json()["error"]["message"], reply.text
+    assert requests.get(base + "/weight_info", timeout=60).json() == {"weight_version": "default"}
+    body = greedy_body(model_a, 3, prompt=f"Served after a bad weight version {len(bad)}.")
+    choice = post(server_a, "/v1/completions", body)["choices"][0]
+    check_choice(model_a, choice["prompt_token_ids"], choice)
+
+
+def test_update_weight_version_over_http_rekeys_r3(server_a: RunningServer, model_a: Path) -> None:
+    """POST /update_weight_version reaches our connector: a prompt the KV cache still holds
+    fails closed under the new version (its R3 was keyed under the old one) instead of
+    returning the old weights' routing, and is served again under the old version."""
+    base = server_a.base_url
+    prompt = " ".join(f"Weight version over HTTP, sentence {i}." for i in range(30))
+    body = greedy_body(model_a, 3, prompt=prompt)
+    post(server_a, "/v1/completions", body)  # cached and published under "default"
+    reply = requests.post(base + "/update_weight_version", json={"new_version": "v-http"})
+    assert reply.status_code == 200, reply.text
+    try:
+        assert requests.get(base + "/weight_info", timeout=60).json()["weight_version"] == (
+            "v-http"
+        )
+        stale = requests.post(base + "/v1/completions", json=body, timeout=300)
+        assert stale.status_code == 500, stale.text
+        message = stale.json()["error"]["message"]
+        assert "missing" in message and "'v-http'" in message, message
+    finally:
+        reply = requests.post(base + "/update_weight_version", json={"new_version": "default"})
+        assert reply.status_code == 200, reply.text
+    choice = post(server_a, "/v1/completions", body)["choices"][0]
+    check_choice(model_a, choice["prompt_token_ids"], choice)
 
 
 def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a: Path) -> None:

@@ -182,6 +182,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         root=Path("/dev/shm/x"),
         capacity="512MiB",  # type: ignore[arg-type]
         ttl_seconds="30m",  # type: ignore[arg-type]
+        keys_lease_seconds="90s",  # type: ignore[arg-type]
     )
     entry = json.loads(json.dumps(config.to_additional_config()))
     assert entry == {
@@ -189,6 +190,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         "root": "/dev/shm/x",
         "capacity": 512 * 2**20,
         "ttl_seconds": 1800.0,
+        "keys_lease_seconds": 90.0,
     }
     vllm_config = SimpleNamespace(
         additional_config={KEY: entry, "other": 1},
@@ -232,12 +234,15 @@ ALL_FLAGS = (
     "8GiB",
     "--artifact-ttl",
     "30m",
+    "--artifact-keys-lease",
+    "5m",
 )
 ALL_ENTRY = {
     "backend": "shm",
     "root": "/dev/shm/rl-run",
     "capacity": 8 * 2**30,
     "ttl_seconds": 1800.0,
+    "keys_lease_seconds": 300.0,
 }
 
 
@@ -256,6 +261,7 @@ def test_keywords_reach_additional_config() -> None:
         artifact_root="/dev/shm/rl-run",
         artifact_capacity="8GiB",
         artifact_ttl="30m",
+        artifact_keys_lease="5m",
         additional_config=user_additional,
     )
     assert engine_args.additional_config == {"mine": 1, KEY: ALL_ENTRY}

@@ -6,7 +6,9 @@ writes them). :meth:`R3Reader.read` therefore waits, bounded by ``timeout``, for
 to appear, then copies the rows with the store's checks: key, envelope and xxh3 checksum of
 every object, seqlock retries against a concurrent writer. A key that stays absent (evicted,
 or never published because the request's R3 failed) raises :class:`ObjectMissingError`, a
-damaged object :class:`ObjectCorruptError`; a reader never returns partial R3.
+damaged object :class:`ObjectCorruptError`, objects holding other routing than the handle's
+request used (its ``rows_xxh3`` differs) :class:`KeyCollisionError`; a reader never returns
+partial or another request's R3.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_artifact.client.decode import RoutedExperts
-from vllm_artifact.core.handoff import R3Keys
+from vllm_artifact.core.handoff import R3Keys, RowsDigest
 from vllm_artifact.core.store import ShmStore
-from vllm_artifact.errors import ObjectMissingError, SchemaError
+from vllm_artifact.errors import KeyCollisionError, ObjectMissingError, SchemaError
 
 __all__ = ["R3Reader", "read_r3_keys"]
 
@@ -77,6 +79,14 @@ class R3Reader:
                 ) from None
         skip = handle.first_row - first_token
         rows = out[skip : skip + handle.num_rows]
+        if handle.rows_xxh3 is not None and RowsDigest.of(rows) != handle.rows_xxh3:
+            raise KeyCollisionError(
+                f"R3 store {handle.store.root}/{handle.store.name} holds other routing under "
+                "this handle's keys than its request used (another request published the same "
+                "token blocks first with different routing, e.g. nondeterministic GPU kernels; "
+                "the store keeps the first): this request's R3 is not available from the "
+                "store. Ask for it as an array (routed_experts_format=array) if this repeats."
+            )
         return RoutedExperts(rows, store.layout.dense_layers)
 
     def _store(self, handle: R3Keys, *, fresh: bool) -> ShmStore:

@@ -19,13 +19,21 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
 
 import numpy as np
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vllm_artifact.core.keys import KEY_NBYTES, Namespace, ObjectKey
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import SchemaError
 
-__all__ = ["KEYS_FORMAT", "R3_FORMAT_OPTION", "KeysContext", "R3Keys", "StoreAddress"]
+__all__ = [
+    "KEYS_FORMAT",
+    "R3_FORMAT_OPTION",
+    "KeysContext",
+    "R3Keys",
+    "RowsDigest",
+    "StoreAddress",
+]
 
 #: ``SamplingParams.extra_args`` key (HTTP: ``vllm_xargs``) choosing how R3 is returned.
 R3_FORMAT_OPTION = "routed_experts_format"
@@ -57,6 +65,28 @@ class KeysContext:
         return Namespace(self.model_id, self.layout, weight_version)
 
 
+class RowsDigest:
+    """xxh3-128 of a request's rows, fed step by step in token order (the engine), or at
+    once (a reader checking what it materialized): :attr:`R3Keys.rows_xxh3`."""
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_128()
+        self.rows = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        self._hash.update(np.ascontiguousarray(rows).data.cast("B"))
+        self.rows += len(rows)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> str:
+        digest = cls()
+        digest.add(rows)
+        return digest.hexdigest()
+
+
 class R3Keys(BaseModel):
     """One completion's R3 as store keys.
 
@@ -77,6 +107,11 @@ class R3Keys(BaseModel):
     num_rows: int = Field(ge=0)
     keys: list[_HexKey] = Field(max_length=_MAX_KEYS)
     last_block_tokens: int = Field(ge=1)
+    #: xxh3-128 (hex) of the rows the request's routing gave, in order (what the array path
+    #: returns): a handle resolves to exactly these rows or not at all. A key names content
+    #: by token hashes; another request may have published the same blocks first with other
+    #: routing (nondeterministic kernels), and the store keeps the first.
+    rows_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
 
     @model_validator(mode="after")
     def _rows_within_keys(self) -> R3Keys:
@@ -108,6 +143,7 @@ class R3Keys(BaseModel):
         num_rows: int,
         keys: list[ObjectKey],
         last_block_tokens: int,
+        rows_xxh3: str | None = None,
         trusted: bool = False,
     ) -> R3Keys:
         """A handle from its parts; ``trusted=True`` (the engine's own, derived values) skips
@@ -121,6 +157,7 @@ class R3Keys(BaseModel):
             num_rows=num_rows,
             keys=[key.hex() for key in keys],
             last_block_tokens=last_block_tokens,
+            rows_xxh3=rows_xxh3,
         )
 
     def object_keys(self) -> tuple[list[ObjectKey], int, int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,7 +34,7 @@ from vllm_artifact.core.buffer import RequestRowBuffer, copy_blocks, gather_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.keys import KeyCache, Namespace, ObjectKey, tail_block_key
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Lease, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, InternalError
@@ -238,6 +238,7 @@ class _Track:
     scheduled_end: int = 0  # the scheduler's (possibly optimistic) end of the last step
     finished: bool = False
     tail: TailBlock | None = None  # the terminal partial block to publish at teardown
+    lease: bool = False  # a keys handle names its objects: lease them at teardown
     failure: R3Failure | None = None
     failure_sent: bool = False
 
@@ -253,6 +254,7 @@ class RequestTracker:
         publisher: BackgroundPublisher,
         *,
         buffer_max_bytes: int,
+        lease_seconds: float = 600.0,
     ) -> None:
         self._layout = layout
         self._model_id = model_id
@@ -273,6 +275,11 @@ class RequestTracker:
         self.tails_published = 0
         # Tails queued for one submission (:meth:`_one_tail_submission`), or None.
         self._tail_runs: list[BlockRun | PinChange] | None = None
+        # Keys handles' objects to lease, queued with the tails: full blocks before them (one
+        # may have just lost its KV pin), tails after (they are published first).
+        self._lease_seconds = lease_seconds
+        self._lease_blocks: list[ObjectKey] = []
+        self._lease_tails: list[ObjectKey] = []
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._tracks
@@ -350,25 +357,31 @@ class RequestTracker:
         """Objects pinned because the KV cache still holds their block."""
         return len(self._pinned)
 
-    def finish(self, request_id: str, tail: TailBlock | None = None) -> None:
+    def finish(
+        self, request_id: str, tail: TailBlock | None = None, *, lease: bool = False
+    ) -> None:
         """Finished, aborted or preempted: once no step covers the request, its terminal
         partial block is published when ``tail`` (as the scheduler hashed it) is given, and any
-        other unpublished rows go."""
+        other unpublished rows go. With ``lease`` (a keys handle names its objects) its
+        objects stay pinned for the lease."""
         track = self._tracks.get(request_id)
         if track is None:
             return
         self._leave_fast(track)
         track.finished = True
         track.tail = tail
+        track.lease = lease
         if not self._in_flight(request_id):
             self._teardown(request_id)
 
-    def finish_all(self, finished: Iterable[tuple[str, TailBlock | None]]) -> None:
-        """:meth:`finish` for each ``(request_id, tail)``; the tails go to the publisher as
-        one submission."""
+    def finish_all(
+        self, finished: Iterable[tuple[str, TailBlock | None]], leased: Container[str] = ()
+    ) -> None:
+        """:meth:`finish` for each ``(request_id, tail)`` (leased if in ``leased``); the tails
+        go to the publisher as one submission."""
         with self._one_tail_submission():
             for request_id, tail in finished:
-                self.finish(request_id, tail=tail)
+                self.finish(request_id, tail=tail, lease=request_id in leased)
 
     # ---------------------------------------------------------------- the step
 
@@ -633,9 +646,23 @@ class RequestTracker:
         finally:
             runs, self._tail_runs = self._tail_runs, None
             try:
-                self._submit(runs)
+                self._submit_tails(runs)
             except Exception:  # a tail is optional: never let it fail the step
                 logger.exception("vllm-artifact: %d tails not published", len(runs))
+
+    def _submit_tails(self, runs: list[BlockRun | PinChange]) -> None:
+        """Tails, with the leases of keys handles around them (see ``_lease_blocks``)."""
+        blocks, self._lease_blocks = self._lease_blocks, []
+        tails, self._lease_tails = self._lease_tails, []
+        if not (blocks or tails):
+            self._submit(runs)
+            return
+        seconds = self._lease_seconds
+        leases: list[BlockRun | PinChange | Lease] = [Lease(blocks, seconds)] if blocks else []
+        leases += runs
+        if tails:
+            leases.append(Lease(tails, seconds))
+        self._publisher.submit(leases)
 
     def _submit(self, runs: list[BlockRun | PinChange]) -> None:
         """Queue one publication: every block first, then their pins in one change (the
@@ -740,13 +767,16 @@ class RequestTracker:
         track = self._tracks.pop(request_id, None)
         if track is not None and track.slot >= 0:
             self._ready_at[track.slot] = -1
-        if request_id not in self._buffer:
-            return
-        if track is not None and track.tail is not None and track.failure is None:
-            try:
-                self._publish_tail(request_id, track, track.tail)
-            except Exception:  # a tail is optional: never let it fail the step
-                logger.exception("vllm-artifact: request %s: tail not published", request_id)
+        with self._one_tail_submission():
+            if track is not None and track.lease and track.failure is None:
+                self._lease_blocks += track.keys
+            if request_id not in self._buffer:
+                return
+            if track is not None and track.tail is not None and track.failure is None:
+                try:
+                    self._publish_tail(request_id, track, track.tail)
+                except Exception:  # a tail is optional: never let it fail the step
+                    logger.exception("vllm-artifact: request %s: tail not published", request_id)
         if request_id in self._buffer:
             self._buffer.drop(request_id)
 
@@ -785,4 +815,6 @@ class RequestTracker:
             self._tail_runs.append(run)
         else:
             self._submit([run])
+        if track.lease:
+            self._lease_tails.append(key)
         self.tails_published += 1

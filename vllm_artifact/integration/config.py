@@ -112,6 +112,8 @@ class ArtifactConfig(BaseModel):
     store can hold R3 for every block the KV cache can still hit."""
     ttl_seconds: float = 3600.0
     """Stores whose writer is gone are collected after this long."""
+    keys_lease_seconds: float = 600.0
+    """The objects a keys-only handle names stay pinned this long after the response."""
 
     @field_validator("root", mode="before")
     @classmethod
@@ -126,7 +128,7 @@ class ArtifactConfig(BaseModel):
     def _parse_capacity(cls, value: Any) -> int | Literal["auto"]:
         return parse_size(value)
 
-    @field_validator("ttl_seconds", mode="before")
+    @field_validator("ttl_seconds", "keys_lease_seconds", mode="before")
     @classmethod
     def _parse_ttl(cls, value: Any) -> float:
         return parse_duration(value)
@@ -141,6 +143,7 @@ class ArtifactConfig(BaseModel):
             "root": str(self.root),
             "capacity": self.capacity,
             "ttl_seconds": self.ttl_seconds,
+            "keys_lease_seconds": self.keys_lease_seconds,
         }
 
     @classmethod

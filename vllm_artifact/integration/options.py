@@ -94,6 +94,16 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
         help="Stores whose engine is gone are deleted after this long, e.g. 90s, 30m, 1h, "
         "2d or seconds. Default: 1h.",
     ),
+    StoreOption(
+        kwarg="artifact_keys_lease",
+        field="keys_lease_seconds",
+        metavar="DURATION",
+        example="10m",
+        parse=parse_duration,
+        help="The objects a keys-only handle names stay in the store (pinned) this long after "
+        "the response, however full the store gets: read handles within it, e.g. 90s, 10m or "
+        "seconds. Leased objects count against --artifact-capacity. Default: 10m.",
+    ),
 )
 
 OPTIONS_BY_KWARG = {option.kwarg: option for option in STORE_OPTIONS}

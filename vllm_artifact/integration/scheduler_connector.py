@@ -42,7 +42,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.request import RequestStatus
 
-from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys
+from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys, RowsDigest
 from vllm_artifact.core.keys import KeyCache, ObjectKey, check_weight_version, tail_block_key
 from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_ids
 from vllm_artifact.errors import ArtifactError, InternalError
@@ -97,6 +97,12 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         # time, so the request's end costs a few hashes, not one per block), and rank zero's
         # store and key context (arrives with the worker's first step output).
         self._keys_requests: dict[str, list[ObjectKey]] = {}
+        # ... the digest of the rows they would have returned (the handle carries it, so it
+        # resolves to exactly these rows or not at all), this step's rows, and the ids whose
+        # handle was answered, sent to rank zero to lease the handle's objects.
+        self._keys_digests: dict[str, RowsDigest] = {}
+        self._keys_rows: dict[str, tuple[int, np.ndarray]] = {}
+        self._leases: list[str] = []
         self._keys_context: KeysContext | None = None
         # Keys-only requests that share a prompt prefix (the samples of one prompt, the turns
         # of a conversation) share its blocks' keys: made once on this thread, not per request.
@@ -125,6 +131,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             if tail is not None:
                 self._tails[request.request_id] = tail
         self._keys_requests.pop(request.request_id, None)
+        self._keys_digests.pop(request.request_id, None)
         super().request_finished(request)
 
     def _tail_hash(self, request: Any) -> TailBlock | None:
@@ -157,12 +164,14 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         tails, self._tails = self._tails, {}
         evicted, self._kv_evicted = self._kv_evicted, []
         cleared, self._kv_cleared = self._kv_cleared, False
+        leases, self._leases = self._leases, []
         return ArtifactStepMetadata(
             step=self._step_metadata(scheduler_output.num_scheduled_tokens, requests),
             weight_version=self.weight_version,
             tails=tails,
             kv_evicted=evicted,
             kv_cleared=cleared,
+            leases=leases,
         )
 
     def _step_metadata(
@@ -254,7 +263,11 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         """The step's rows by request id; keys-only requests take none (their handle instead)."""
         self._step_output = output
         step_rows = {} if output is None else output.rows_by_id()
+        self._keys_rows = {}
         if self._keys_requests and not step_rows.keys().isdisjoint(self._keys_requests):
+            self._keys_rows = {
+                rid: rows for rid, rows in step_rows.items() if rid in self._keys_requests
+            }
             step_rows = {
                 rid: rows for rid, rows in step_rows.items() if rid not in self._keys_requests
             }
@@ -288,6 +301,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         weight version this connector sends with every step), from the request's KV block
         hashes and the tail hash that :meth:`request_finished` sends to the worker.
         """
+        entry = self._keys_rows.get(request.request_id)
+        if entry is not None:  # the rows the array path would return this step
+            token_start, step_rows = entry
+            rows = (
+                step_rows
+                if request.num_tokens - 1 - token_start == len(step_rows)
+                else self._cut_rows(request, token_start, step_rows)
+            )
+            if rows is not None:
+                digest = self._keys_digests.setdefault(request.request_id, RowsDigest())
+                digest.add(rows)
         context, bs = self._keys_context, self._hash_block_size
         if context is None or bs is None:
             return None  # no step of rank zero yet (cannot finish normally without one)
@@ -309,6 +333,13 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             self._tails[request.request_id] = tail  # request_finished sends it to the worker
             keys.append(tail_block_key(namespace, tail.hash, tail.num_tokens))
             last_block_tokens = tail.num_tokens
+        digest = self._keys_digests.get(request.request_id, RowsDigest())
+        if digest.rows != executed - first_row:
+            raise InternalError(
+                f"keys-only request {request.request_id}: {digest.rows} rows seen, "
+                f"{executed - first_row} expected"
+            )
+        self._leases.append(request.request_id)
         handle = R3Keys.of(
             store=context.store,
             layout=context.layout.canonical(),
@@ -318,6 +349,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             num_rows=executed - first_row,
             keys=keys,
             last_block_tokens=last_block_tokens,
+            rows_xxh3=digest.hexdigest(),
             trusted=True,
         )
         return handle.to_transport()

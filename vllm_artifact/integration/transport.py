@@ -38,3 +38,6 @@ class ArtifactStepMetadata:
     #: it dropped every block (prefix-cache reset): their objects stop being pinned.
     kv_evicted: list[int] = field(default_factory=list)
     kv_cleared: bool = False
+    #: Keys-only requests answered with a handle since the last step: rank zero leases the
+    #: objects the handle names (``--artifact-keys-lease``).
+    leases: list[str] = field(default_factory=list)

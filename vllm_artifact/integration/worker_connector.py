@@ -143,6 +143,7 @@ class ArtifactWorkerConnector:
                 self._layout.block_nbytes * 4 * scheduler_config.max_num_seqs,
                 scheduler_config.max_num_batched_tokens * self._layout.row_nbytes * 4,
             ),
+            lease_seconds=config.keys_lease_seconds,
         )
         self._keys_context = KeysContext(
             StoreAddress(root=str(self._store.root), name=self._store.name),
@@ -257,7 +258,10 @@ class ArtifactWorkerConnector:
                 tracker.kv_cleared()
             tracker.kv_evicted(metadata.kv_evicted)
             tails = metadata.tails
-            tracker.finish_all((rid, tails.get(rid)) for rid in step.finished_requests)
+            tracker.finish_all(
+                ((rid, tails.get(rid)) for rid in step.finished_requests),
+                leased=frozenset(metadata.leases),
+            )
 
     def prepare_output(self, input_batch: Any) -> PendingArtifactStep | None:
         """Snapshot this step's rows for the asynchronous copy (rank zero only)."""

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,10 +62,12 @@ def vllm_servers(
     *,
     startup_timeout: float = 600.0,
     log_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[list[RunningServer]]:
-    """Run one ``vllm serve`` per ``(model, extra_args)`` until the block exits. All are
-    started before any is waited for: a start-up is mostly one process importing at a time,
-    so their start-ups overlap (two on 2 cores: 68 s, against 47 + 51 s one after the other)."""
+    """Run one ``vllm serve`` per ``(model, extra_args)`` until the block exits, with ``env``
+    added to their environment. All are started before any is waited for: a start-up is
+    mostly one process importing at a time, so their start-ups overlap (two on 2 cores: 68 s,
+    against 47 + 51 s one after the other)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-serve-"))
     servers: list[RunningServer] = []
     ports: set[int] = set()
@@ -75,7 +77,7 @@ def vllm_servers(
         while port in ports:  # none has bound its port yet: never hand one out twice
             port = free_port()
         ports.add(port)
-        return _start(model, extra_args, log_dir, port)
+        return _start(model, extra_args, log_dir, port, env or {})
 
     try:
         for model, extra_args in specs:
@@ -99,8 +101,14 @@ def vllm_servers(
             _stop(server.process)
 
 
-def _start(model: str | Path, extra_args: Sequence[str], log_dir: Path, port: int) -> RunningServer:
-    env = apply_cpu_engine_env(dict(os.environ))
+def _start(
+    model: str | Path,
+    extra_args: Sequence[str],
+    log_dir: Path,
+    port: int,
+    extra_env: Mapping[str, str],
+) -> RunningServer:
+    env = apply_cpu_engine_env({**os.environ, **extra_env})
     log_path = log_dir / f"vllm-serve-{port}.log"
     cmd = [
         *vllm_command(),

@@ -45,6 +45,14 @@ keys_handoff (``InputProcessor._validate_params``, ``CompletionRequest.to_sampli
     How: the option is validated with vLLM's own parameter checks (HTTP 400, on the OpenAI
     server before a stream starts).
 
+keys_answer (``AsyncLLM.generate``, ``OfflineInferenceMixin._run_engine``; vLLM 0.32.0)
+    Why: a keys handle must resolve to exactly its request's rows: its last objects are
+    published a step after the answer, a failed publication leaves them absent, and a key
+    another request published first with other routing names that request's rows.
+    How: before a finished output leaves the frontend, its handles are read back (waiting,
+    bounded, for publication; the rows' digest checked); one that does not resolve fails its
+    request closed.
+
 terminal_output (``RequestState._new_completion_output``; ``vllm.utils.serial_utils.numpy2base64``
     and its copies in the completions, chat and token-in/token-out serving modules; module
     global ``JSONResponse`` of their API router modules; vLLM 0.32.0)
@@ -127,6 +135,7 @@ def apply_all() -> bool:
     _started = True
     from vllm_artifact.integration.hooks import (
         engine_args,
+        keys_answer,
         keys_handoff,
         request_errors,
         terminal_output,
@@ -139,5 +148,6 @@ def apply_all() -> bool:
     weight_version.install()
     request_errors.install()
     keys_handoff.install()
+    keys_answer.install()
     terminal_output.install()
     return True

@@ -17,22 +17,28 @@ from typing import Any
 
 
 class _LoaderThenCall(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[ModuleType], None]):
-        self._inner, self._callback = inner, callback
+    def __init__(
+        self, inner: importlib.abc.Loader, callbacks: list[Callable[[ModuleType], None]]
+    ) -> None:
+        self._inner, self._callbacks = inner, callbacks
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        self._callback(module)
+        for callback in self._callbacks:
+            callback(module)
 
 
 class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of one module, once."""
+    """Finds nothing itself; wraps the real loader of one module, once, to call every
+    callback registered for it (one watcher per module: the import system asks only the
+    first finder that answers)."""
 
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name, self.callback = name, callback
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.callbacks: list[Callable[[ModuleType], None]] = []
 
     def find_spec(
         self, fullname: str, path: Any, target: ModuleType | None = None
@@ -42,20 +48,21 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is not None and spec.loader is not None:
-            spec.loader = _LoaderThenCall(spec.loader, self.callback)
+            spec.loader = _LoaderThenCall(spec.loader, self.callbacks)
         return spec
 
 
 def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
     """Call ``callback(module)`` right after module ``name`` (not imported yet) has executed.
-    Asking twice for the same name and callback watches once."""
+    Asking twice for the same name and callback calls it once."""
     for finder in sys.meta_path:
-        if isinstance(finder, _ImportWatcher) and (finder.name, finder.callback) == (
-            name,
-            callback,
-        ):
+        if isinstance(finder, _ImportWatcher) and finder.name == name:
+            if callback not in finder.callbacks:
+                finder.callbacks.append(callback)
             return
-    sys.meta_path.insert(0, _ImportWatcher(name, callback))
+    watcher = _ImportWatcher(name)
+    watcher.callbacks.append(callback)
+    sys.meta_path.insert(0, watcher)
 
 
 def is_watched(name: str) -> bool:

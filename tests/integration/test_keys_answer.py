@@ -1,0 +1,137 @@
+"""A keys-only handle leaves the frontend only if it resolves to exactly its request's rows
+(the keys_answer hook); otherwise its request fails closed with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_artifact.client import reader as client_reader
+from vllm_artifact.core import Namespace, R3Layout, full_block_keys
+from vllm_artifact.core.failure import r3_failure
+from vllm_artifact.core.handoff import R3Keys, RowsDigest, StoreAddress
+from vllm_artifact.core.store import ShmStore
+from vllm_artifact.integration.hooks import after_import, keys_answer, request_errors
+
+LAYOUT = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16, dense_layers=())
+NS = Namespace("m", LAYOUT, "v1")
+
+
+@pytest.fixture
+def store() -> Iterator[ShmStore]:
+    root = Path(f"/dev/shm/vat-answer-{os.getpid()}-{secrets.token_hex(3)}")
+    root.mkdir(mode=0o700)
+    with ShmStore.create_or_open_writer(root, "r3-a", layout=LAYOUT, capacity_bytes=1 << 20) as s:
+        yield s
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def quick_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handles that never resolve fail after 0.2 s here (the product waits 10 s)."""
+    monkeypatch.setattr(client_reader, "_DEFAULT", client_reader.R3Reader(timeout=0.2))
+    monkeypatch.setattr(request_errors, "FAILURES", request_errors._FailureMessages())
+
+
+def finished_output(request_id: str, handles: list[R3Keys]) -> Any:
+    completions = [
+        SimpleNamespace(finish_reason="length", stop_reason=None, routed_experts=handle)
+        for handle in handles
+    ]
+    return SimpleNamespace(request_id=request_id, finished=True, outputs=completions)
+
+
+def handle(store: ShmStore, keys: list, rows: np.ndarray) -> R3Keys:
+    return R3Keys.of(
+        store=StoreAddress(root=store.root, name=store.name),
+        layout=LAYOUT.canonical(),
+        block_size=16,
+        token_start=0,
+        first_row=0,
+        num_rows=len(rows),
+        keys=keys,
+        last_block_tokens=16,
+        rows_xxh3=RowsDigest.of(rows),
+    )
+
+
+def test_handles_that_resolve_are_answered_unchanged(store: ShmStore) -> None:
+    rows = np.arange(32 * 8, dtype=np.uint8).reshape(32, 4, 2) % 8
+    keys = full_block_keys(NS, [b"a", b"b"])
+    store.put_blocks(keys, rows, 0)
+    good = handle(store, keys, rows)
+    output = finished_output("cmpl-ok-0", [good])
+    keys_answer.check_outputs([output])
+    assert output.outputs[0].finish_reason == "length" and output.outputs[0].routed_experts is good
+
+
+def test_unpublished_or_other_routing_fails_the_request_closed(store: ShmStore) -> None:
+    """A tail that was never published (its publication failed) and a block another request
+    published first with other routing: each request fails with its reason; the message
+    reaches its HTTP answer."""
+    rows = np.arange(32 * 8, dtype=np.uint8).reshape(32, 4, 2) % 8
+    keys = full_block_keys(NS, [b"c", b"d"])
+    store.put_blocks(keys[:1], rows[:16], 0)  # the second object never arrives
+    missing = finished_output("cmpl-missing-0", [handle(store, keys, rows)])
+    theirs = rows.copy()
+    theirs[3, 1, 0] = (theirs[3, 1, 0] + 1) % 8
+    keys2 = full_block_keys(NS, [b"e"])
+    store.put_blocks(keys2, theirs[:16], 0)
+    other = finished_output("cmpl-other-0", [handle(store, keys2, rows[:16])])
+    keys_answer.check_outputs([missing, other])
+    for output, reason in ((missing, "missing"), (other, "collision")):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "error" and completion.routed_experts is None
+        failure = r3_failure(completion.stop_reason)
+        assert failure is not None and failure.reason == reason, completion.stop_reason
+        base = output.request_id.rsplit("-", 1)[0]
+        assert request_errors.FAILURES.take(base, request_errors._COMPLETIONS) == failure.message
+
+
+def test_the_servers_generate_checks_finished_outputs_off_the_event_loop(store: ShmStore) -> None:
+    """The AsyncLLM.generate wrap: a finished output is checked before it is yielded, the
+    others pass through, and closing the stream closes vLLM's generator (its abort path)."""
+    rows = np.arange(16 * 8, dtype=np.uint8).reshape(16, 4, 2) % 8
+    keys = full_block_keys(NS, [b"never"])
+    closed: list[bool] = []
+
+    async def original(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            yield SimpleNamespace(request_id="cmpl-s-0", finished=False, outputs=[])
+            yield finished_output("cmpl-s-0", [handle(store, keys, rows)])
+        finally:
+            closed.append(True)
+
+    async def consume() -> list[Any]:
+        return [output async for output in keys_answer._wrap_generate(original)(None)]
+
+    outputs = asyncio.run(consume())
+    assert [o.finished for o in outputs] == [False, True]
+    assert outputs[1].outputs[0].finish_reason == "error" and closed == [True]
+
+
+def test_every_callback_waiting_for_a_module_runs(tmp_path: Path) -> None:
+    """Two hooks waiting for one module (weight_version and keys_answer both patch AsyncLLM):
+    the import system asks only the first finder that answers, so one watcher calls both."""
+    name = f"vat_after_import_{secrets.token_hex(3)}"
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    called: list[str] = []
+    try:
+        after_import.when_imported(name, lambda module: called.append("first"))
+        after_import.when_imported(name, lambda module: called.append("second"))
+        __import__(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+    assert called == ["first", "second"]

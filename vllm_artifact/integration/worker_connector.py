@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +31,9 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore, check_shm_space
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker, StepBatch
-from vllm_artifact.errors import InternalError, WriterConflictError
+from vllm_artifact.errors import InternalError
 from vllm_artifact.integration.config import ArtifactConfig
+from vllm_artifact.integration.engine_store import open_engine_store
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
 from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure, StepResult
 
@@ -199,20 +199,14 @@ class ArtifactWorkerConnector:
         return f"r3-{hashlib.blake2b(identity, digest_size=6).hexdigest()}-dp{dp_rank}"
 
     def _open_store(self, config: ArtifactConfig, capacity: int, dp_rank: int) -> ShmStore:
-        """Open this engine's store; a second live engine on the same root gets its own."""
-        base = self._store_name(dp_rank)
-        for name in (base, f"{base}-pid{os.getpid()}"):
-            try:
-                return ShmStore.create_or_open_writer(
-                    config.root,
-                    name,
-                    layout=self._layout,
-                    capacity_bytes=capacity,
-                    ttl_seconds=config.ttl_seconds,
-                )
-            except WriterConflictError:
-                logger.info("vllm-artifact: store %s has a live writer; using another", name)
-        raise WriterConflictError(f"no free R3 store name under {config.root} for {base}")
+        """This engine's store (a second live engine on the same root gets another name)."""
+        return open_engine_store(
+            config.root,
+            self._store_name(dp_rank),
+            layout=self._layout,
+            capacity_bytes=capacity,
+            ttl_seconds=config.ttl_seconds,
+        )
 
     @property
     def store(self) -> ShmStore | None:

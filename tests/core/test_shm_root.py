@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,6 +15,8 @@ import pytest
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.store import ShmStore, check_root, check_store_name, default_root
 from vllm_artifact.core.store.shm_arena import ARENA_NAME
+from vllm_artifact.core.store.shm_gc import LOCK_NAME
+from vllm_artifact.core.store.shm_metrics import METRICS_NAME
 from vllm_artifact.errors import UnsafeRootError
 
 from .conftest import key_for, rows_for
@@ -104,7 +108,7 @@ def test_hostile_store_dir_and_files(scratch: str, layout: R3Layout, namespace: 
     # Arena replaced by a symlink: never followed.
     os.rename(arena, f"{root}/elsewhere")
     os.symlink(f"{root}/elsewhere", arena)
-    with pytest.raises(OSError):
+    with pytest.raises(UnsafeRootError, match="symlink"):
         ShmStore.open_reader(root, "s")
     os.unlink(arena)
     os.rename(f"{root}/elsewhere", arena)
@@ -122,6 +126,81 @@ def test_hostile_store_dir_and_files(scratch: str, layout: R3Layout, namespace: 
     with pytest.raises(UnsafeRootError):
         ShmStore.open_reader(root, "s")
     with pytest.raises(UnsafeRootError):
+        writer(root, layout)
+
+
+def _stored(root: str, layout: R3Layout, namespace: Namespace) -> None:
+    with writer(root, layout) as store:
+        store.put([(key_for(namespace, 1), rows_for(layout, 1), 0)])
+
+
+def _opens(root: str, who: str, layout: R3Layout) -> None:
+    store = writer(root, layout) if who == "writer" else ShmStore.open_reader(root, "s")
+    store.close()
+
+
+#: Which handles open each store file: the reader maps only the arena.
+_OPENERS = [
+    (ARENA_NAME, "writer"),
+    (ARENA_NAME, "reader"),
+    (LOCK_NAME, "writer"),
+    (METRICS_NAME, "writer"),
+]
+
+
+@pytest.mark.parametrize(("name", "who"), _OPENERS)
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinked_store_file_is_unsafe_not_a_raw_oserror(
+    scratch: str, layout: R3Layout, namespace: Namespace, name: str, who: str, dangling: bool
+) -> None:
+    """Before the fix: a raw OSError(ELOOP) from the O_NOFOLLOW open."""
+    root = f"{scratch}/root"
+    _stored(root, layout, namespace)
+    path = f"{root}/s/{name}"
+    os.rename(path, f"{root}/elsewhere")
+    os.symlink("/dev/shm/nowhere" if dangling else f"{root}/elsewhere", path)
+    with pytest.raises(UnsafeRootError, match=f"'{name}' is a symlink"):
+        _opens(root, who, layout)
+    assert os.path.islink(path)  # refused, not replaced or followed
+
+
+@pytest.mark.parametrize(("name", "who"), _OPENERS)
+def test_a_hardlinked_store_file_is_refused(
+    scratch: str, layout: R3Layout, namespace: Namespace, name: str, who: str
+) -> None:
+    """A store file with a second name can be changed (or kept) through that name. Before
+    the fix it was accepted."""
+    root = f"{scratch}/root"
+    _stored(root, layout, namespace)
+    os.link(f"{root}/s/{name}", f"{root}/second-name")
+    with pytest.raises(UnsafeRootError, match=f"'{name}' has 2 links"):
+        _opens(root, who, layout)
+    os.unlink(f"{root}/second-name")
+    _opens(root, who, layout)
+
+
+def test_a_fifo_in_place_of_the_arena_does_not_hang_a_reader(
+    scratch: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    """Opening a FIFO for reading waits for a writer to open it: a reader used to hang."""
+    root = f"{scratch}/root"
+    _stored(root, layout, namespace)
+    os.unlink(f"{root}/s/{ARENA_NAME}")
+    os.mkfifo(f"{root}/s/{ARENA_NAME}", 0o600)
+    code = (
+        "import sys\n"
+        "from vllm_artifact.core.store import ShmStore\n"
+        "from vllm_artifact.errors import UnsafeRootError\n"
+        "try:\n"
+        "    ShmStore.open_reader(sys.argv[1], 's')\n"
+        "except UnsafeRootError as err:\n"
+        "    print(err)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, root], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "'arena' is not a regular file" in res.stdout
+    with pytest.raises(UnsafeRootError, match="not a regular file"):
         writer(root, layout)
 
 

@@ -117,9 +117,11 @@ def _try_collect(root_fd: int, name: str, ttl_seconds: float, now: float) -> boo
         if not _same_file(os.fstat(dir_fd), st):
             return False
         try:
-            lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            lock_fd = open_file(dir_fd, LOCK_NAME, os.O_RDWR, where=name)
         except FileNotFoundError:
             heartbeat = st.st_mtime  # writer died before creating its lock
+        except StoreError:
+            return False  # a lock that is not a plain file of ours: leave the store alone
         else:
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

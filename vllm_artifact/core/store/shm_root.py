@@ -163,14 +163,41 @@ def open_store_dir(root_fd: int, name: str, *, create: bool, where: str) -> int:
 
 
 def open_file(dir_fd: int, name: str, flags: int, *, where: str) -> int:
-    """Open a file below a checked directory: no symlinks, ours, mode 0600."""
-    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    """Open a file below a checked directory: no symlinks, a regular file with no other
+    name, ours, mode 0600. A missing file raises ``FileNotFoundError``.
+
+    ``O_NONBLOCK``: a FIFO planted in place of a store file must not block the open (it is
+    then refused as not a regular file); regular files ignore the flag.
+    """
+    try:
+        fd = os.open(
+            name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600, dir_fd=dir_fd
+        )
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _unsafe(where, f"{name!r} is a symlink") from None
+        if err.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.ETXTBSY):
+            raise _unsafe(where, f"{name!r} is not a regular file ({err.strerror})") from None
+        if err.errno in _NO_SPACE:
+            raise ShmSpaceError(
+                f"{SHM_MOUNT} has no room to create {name!r} of R3 store {where}: "
+                f"{err.strerror}. {_SPACE_FIX}"
+            ) from err
+        raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _unsafe(where, f"{name!r} is not a regular file")
         if st.st_uid != os.geteuid():
             raise _unsafe(where, f"{name!r} is owned by uid {st.st_uid}")
+        if st.st_nlink != 1:
+            raise _unsafe(
+                where,
+                f"{name!r} has {st.st_nlink} links: another name can change it (or keep it "
+                "alive); remove the other names",
+            )
         if stat.S_IMODE(st.st_mode) != 0o600:
             if flags & os.O_CREAT and st.st_size == 0:
                 os.fchmod(fd, 0o600)  # just created under a restrictive umask

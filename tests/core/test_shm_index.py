@@ -8,10 +8,11 @@ import pytest
 
 from vllm_artifact.core import Namespace, ObjectKey, R3Layout
 from vllm_artifact.core.keys import full_block_keys, keys_to_words
+from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.store.shm_index import BUCKET_WAYS, HashIndex
-from vllm_artifact.errors import ObjectMissingError
+from vllm_artifact.errors import CapacityError, ObjectMissingError
 
-from .conftest import gil_releases, open_writer, rows_for
+from .conftest import assert_store_consistent, gil_releases, open_writer, rows_for
 
 DEEPSEEK_V3 = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
 
@@ -104,3 +105,56 @@ def test_reads_of_up_to_248_blocks_keep_the_gil(
             releases = count[0] - before
         assert np.array_equal(out, rows)
         assert releases == 0
+
+
+def test_a_damaged_index_is_healed_by_the_next_publish(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    """Garbage in every index entry (both buckets of every key full): the next publish
+    rebuilds the index from the envelopes and retries. Before the fix every insert raised
+    CapacityError ("hash index has no room") until the writer restarted."""
+    with open_writer(shm_root, layout, slots=64) as store:
+        old = full_block_keys(namespace, [b"old-%d" % i for i in range(40)])
+        new = full_block_keys(namespace, [b"new-%d" % i for i in range(20)])
+        want = {k: rows_for(layout, i) for i, k in enumerate([*old, *new])}
+        store.put([(k, want[k], 0) for k in old[:20]], pin=True)
+        store.put([(k, want[k], 0) for k in old[20:]], pin=False)
+        assert store._locate(keys_to_words(old[:1])).slots.tolist() == [0]
+        table = store._index.table
+        rng = np.random.default_rng(5)
+        table[...] = rng.integers(1, 2**64 - 1, size=table.shape, dtype=np.uint64, endpoint=True)
+        # Some garbage looks right: an object's own entry in a bucket that is not its key's,
+        # and entries pointing into the arena (slots 0-63) with wrong tags.
+        k0, k1 = (int(w) for w in keys_to_words(old[:1])[0])
+        home = {k0 & (len(table) - 1), (k0 >> 32) & (len(table) - 1)}
+        stray = next(b for b in range(len(table)) if b not in home)
+        own = np.uint64((k1 >> 32) << 32 | 1)  # old[0] is in slot 0
+        table[stray, 0] = own
+        # ... and that entry twice, in each of its own buckets: one is kept.
+        table[sorted(home), 2] = own
+        table[:, 1] = (table[:, 1] & np.uint64(0xFFFF_FFFF_0000_0000)) | np.uint64(7)
+        assert store.exists(old) == [True] + [False] * (len(old) - 1)  # the hints are gone
+        store.put([(k, want[k], 0) for k in new], pin=False)
+        assert_store_consistent(store)
+        with ShmStore.open_reader(shm_root, "s") as reader:
+            for handle in (store, reader):
+                for key, got in zip([*old, *new], handle.get([*old, *new]), strict=True):
+                    np.testing.assert_array_equal(got, want[key])
+        assert store.stats().pinned_objects == 20
+
+
+def test_a_full_pair_of_buckets_still_raises_capacity_error(
+    shm_root: str, layout: R3Layout
+) -> None:
+    """Real exhaustion: 17 keys that all live in buckets 3 and 5 (8 ways each). The index
+    is healed and the insert retried, then the put fails as a whole (CapacityError), the store
+    consistent. (A guard: this held before the fix too.)"""
+    keys = [crafted_key(3 | 5 << 32, 0x7000_0000_0000 | i << 32 | i) for i in range(17)]
+    with open_writer(shm_root, layout, slots=64) as store:
+        store.put([(k, rows_for(layout, i), 0) for i, k in enumerate(keys[:16])])
+        with pytest.raises(CapacityError, match="hash index has no room"):
+            store.put([(keys[16], rows_for(layout, 16), 0)])
+        assert store.exists(keys) == [True] * 16 + [False]
+        assert_store_consistent(store)
+        for i, got in enumerate(store.get(keys[:16])):
+            np.testing.assert_array_equal(got, rows_for(layout, i))

@@ -896,6 +896,8 @@ class ShmStore(ObjectStore):
             seq[slots] = odd + np.uint64(1)  # 4. even: published
             failed = self._index.insert(new_words, slots)  # 5. visible by key
             if len(failed):
+                failed = self._heal_index(slots)
+            if len(failed):
                 raise CapacityError(
                     f"R3 store {self.root}/{self.name}: the hash index has no room for "
                     f"{len(failed)} keys (both buckets full). Increase --artifact-capacity."
@@ -905,6 +907,31 @@ class ShmStore(ObjectStore):
             self._abandon(slots)
             raise
         return slots
+
+    def _heal_index(self, publishing: np.ndarray) -> np.ndarray:
+        """Rebuild the index from the envelopes (the truth; the index is a hint) after an
+        insert found both of a key's buckets full, which at <= 25% load means damage (a stray
+        write, a bug): without this, every later insert into those buckets would fail until
+        the writer restarts. Called during a publication of ``publishing`` (published
+        envelopes, not yet in the slot table); returns those of its slots that still found
+        no room. Other objects that found none are retired (they were unreachable already)."""
+        arena, slots_tab = self._writer()
+        live = slots_tab.occupied.copy()
+        live[publishing] = True
+        failed = self._index.heal(arena.words[:, 1:3], live)
+        mine = np.isin(failed, publishing)
+        lost = failed[~mine]
+        if len(lost):
+            self._mark_empty(lost)
+            slots_tab.release(lost)
+        logger.warning(
+            "R3 store %s/%s: the hash index was damaged (a key's two buckets were full); "
+            "rebuilt it from the envelopes (%d objects retired for lack of room)",
+            self.root,
+            self.name,
+            len(lost),
+        )
+        return failed[mine]
 
     def _write_payloads(self, batch: _Batch, new: np.ndarray, slots: np.ndarray) -> None:
         """Copy payloads into their slots; runs that are consecutive on both

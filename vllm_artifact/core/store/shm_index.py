@@ -15,7 +15,9 @@ aligned 8-byte words, and the index is only a hint: readers always re-check
 the slot's envelope (key, seqlock, checksum), so a stale or torn entry can
 only produce a clean "missing", never wrong data. The table is sized at four
 entries per slot (load <= 25%), where both candidate buckets being full has
-negligible probability; if it happens the insert reports failure.
+negligible probability: an insert that finds them full means a damaged table, which the
+writer then rebuilds from the objects (:meth:`HashIndex.heal`) before it retries; only when
+that fails too does the insert report failure.
 """
 
 from __future__ import annotations
@@ -159,6 +161,38 @@ class HashIndex:
             self.table[target[ok], way[ok]] = entry[pending[ok]]
             pending = pending[~ok]
         return pending
+
+    def heal(self, keys: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """Make the table agree with the objects (writer only; after an insert found both
+        buckets full, which at <= 25% load means the table was damaged).
+
+        ``keys`` holds the key words of every slot (``[slots, 2]``) and ``live`` marks the
+        slots that hold an object. Entries that do not point to a live slot of a key with
+        their tag in one of that key's buckets are cleared, as are second entries for one
+        slot; then every live slot without an entry is inserted. Entries that were right are
+        never touched, so lock-free readers never miss an object that was indexed. A pass
+        over the whole table: not for hot paths. Returns the slots that found no room.
+        """
+        flat = self.table.reshape(-1)
+        at = np.flatnonzero(flat)
+        entry = flat[at]
+        slot = (entry & _LOW32).astype(np.int64) - 1
+        ok = slot < len(live)
+        slot = np.where(ok, slot, 0)
+        ok &= live[slot]
+        k0, k1 = keys[slot, 0], keys[slot, 1]
+        bucket = (at // BUCKET_WAYS).astype(np.uint64)
+        ok &= (entry >> _S32) == (k1 >> _S32)
+        ok &= (bucket == (k0 & self._mask)) | (bucket == ((k0 >> _S32) & self._mask))
+        good = np.flatnonzero(ok)
+        _, first = np.unique(slot[good], return_index=True)
+        keep = np.zeros(len(at), dtype=bool)
+        keep[good[first]] = True  # one entry per slot
+        flat[at[~keep]] = 0
+        indexed = np.zeros(len(live), dtype=bool)
+        indexed[slot[keep]] = True
+        missing = np.flatnonzero(live & ~indexed)
+        return missing[self.insert(keys[missing], missing)]
 
     def clear(self) -> None:
         self.table[...] = 0

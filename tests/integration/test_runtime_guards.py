@@ -13,6 +13,8 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.failure import r3_failure
+from vllm_artifact.core.handoff import KeysContext, StoreAddress
+from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.tracker import EmittedRows, StepResult
 from vllm_artifact.integration.hooks import apply_all, request_errors, terminal_output
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
@@ -104,3 +106,24 @@ def test_r3_that_cannot_be_assembled_fails_the_request_not_the_output_handler() 
     )
     output = wrapped(good, [1], 0, None)
     assert output.finish_reason == "0" and output.routed_experts.shape == (2, 4, 2)
+
+
+def test_a_finished_keys_request_is_never_answered_without_its_handle() -> None:
+    """Its last partial block's hash cannot be made (here: no hash function): the request
+    fails closed instead of finishing with no R3 and no error."""
+    connector = ArtifactSchedulerConnector(hash_fn=None, hash_block_size=16)
+    layout = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16, dense_layers=())
+    connector._keys_context = KeysContext(StoreAddress(root="/dev/shm/x", name="s"), "m", layout)
+    connector._keys_requests["k"] = []
+    done = SimpleNamespace(
+        request_id="k",
+        num_tokens=21,  # 20 rows: one full block and a tail of 4
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+        is_finished=lambda: True,
+        block_hashes=[b"h" * 32],
+        sampling_params=SimpleNamespace(routed_experts_prompt_start=0),
+    )
+    rows = np.zeros((20, 4, 2), np.uint8)
+    assert connector.take_output(done, StepResult(entries={"k": EmittedRows(0, rows)})) is None
+    failure = connector.take_late_failures()["k"]
+    assert "last, partial block cannot be made" in failure.message

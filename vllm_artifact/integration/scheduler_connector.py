@@ -312,14 +312,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             if rows is not None:
                 digest = self._keys_digests.setdefault(request.request_id, RowsDigest())
                 digest.add(rows)
+        finished = request.is_finished() and request.status in _PUBLISH_TAIL_STATUSES
         context, bs = self._keys_context, self._hash_block_size
         if context is None or bs is None:
-            return None  # no step of rank zero yet (cannot finish normally without one)
+            if finished:  # never answer a finished keys-only request without its handle
+                raise InternalError("rank zero's store address has not arrived")
+            return None
         namespace = context.namespace(self.weight_version)
         block_hashes = request.block_hashes
         if len(block_hashes) > len(keys):
             keys += self._key_cache.keys_of(namespace, list(block_hashes[len(keys) :]))
-        if not request.is_finished() or request.status not in _PUBLISH_TAIL_STATUSES:
+        if not finished:
             return None
         executed = request.num_tokens - 1
         first_row = min(request.sampling_params.routed_experts_prompt_start, executed)
@@ -329,7 +332,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         if executed > full * bs:
             tail = self._tail_hash(request)
             if tail is None:
-                return None
+                raise InternalError("the hash of its last, partial block cannot be made")
             self._tails[request.request_id] = tail  # request_finished sends it to the worker
             keys.append(tail_block_key(namespace, tail.hash, tail.num_tokens))
             last_block_tokens = tail.num_tokens

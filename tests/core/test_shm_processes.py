@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -225,3 +226,68 @@ def test_ttl_collects_dead_writers_only(shm_root: str) -> None:
     assert os.path.isdir(f"{shm_root}/live")
     live.close()
     assert collect_expired_stores(shm_root, 3600, now=time.time() + 7200) == ["live"]
+
+
+_FORKING_WRITER = """
+import fcntl, os, sys, time
+from tests.core.conftest import SMALL, key_for, rows_for
+from vllm_artifact.core import Namespace
+from vllm_artifact.core.store import ShmStore
+from vllm_artifact.errors import StoreReadOnlyError
+
+ns = Namespace("test-model", SMALL, "v1")
+store = ShmStore.create_or_open_writer(
+    sys.argv[1], "s", layout=SMALL, capacity_bytes=1 << 20, collect_expired=False
+)
+store.put([(key_for(ns, 1), rows_for(SMALL, 1), 0)])
+cloexec = bool(fcntl.fcntl(store._lock._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
+read_end, write_end = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child tries to publish with the inherited handle, then lives on
+    try:
+        store.put([(key_for(ns, 2), rows_for(SMALL, 2), 16)])
+        outcome = "published"
+    except StoreReadOnlyError as err:
+        outcome = f"refused: {err}"
+    os.write(write_end, outcome.encode())
+    os.close(write_end)
+    time.sleep(120)
+    os._exit(0)
+os.close(write_end)
+with os.fdopen(read_end, "rb") as pipe:
+    outcome = pipe.read().decode()
+print(pid, cloexec, outcome, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_does_not_keep_the_store_locked(shm_root: str) -> None:
+    """flock locks belong to the open file description, which fork shares: a child of the
+    writer (a worker pool, a helper process) used to keep the store locked after the writer
+    died, and could publish into it beside the next writer."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_WRITER, shm_root],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    child = 0
+    try:
+        assert writer.stdout is not None
+        line = writer.stdout.readline()
+        pid, cloexec, outcome = line.split(" ", 2)
+        child = int(pid)
+        assert cloexec == "True"  # an exec'd child does not inherit the fd at all
+        assert outcome.startswith("refused:") and "fork of the store's writer" in outcome
+        writer.kill()
+        assert writer.wait(10) == -signal.SIGKILL
+        os.kill(child, 0)  # the child still lives
+        with _writer(shm_root) as store:  # the writer is dead: the store is ours now
+            assert store.exists([key_for(NS, 1), key_for(NS, 2)]) == [True, False]
+            store.put([(key_for(NS, 2), rows_for(SMALL, 2), 16)])
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        writer.kill()
+        writer.wait(10)
+        writer.stdout.close()  # type: ignore[union-attr]

@@ -351,6 +351,13 @@ class ShmStore(ObjectStore):
 
     def _writer(self) -> tuple[Arena, SlotTable]:
         arena = self._live()
+        lock = self._lock
+        if lock is not None and not lock.held:
+            why = "is a fork of the store's writer" if lock.forked else "lost its writer lock"
+            raise StoreReadOnlyError(
+                f"R3 store {self.root}/{self.name}: this process {why} and does not own the "
+                "store; only the writer process may publish or pin (reads work)"
+            )
         if self._slots is None:
             raise StoreReadOnlyError(
                 f"R3 store {self.root}/{self.name} is open read-only; only its writer "

@@ -16,6 +16,7 @@ directory was unlinked and starts over (see :meth:`WriterLock.acquire`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import shutil
 import socket
 import stat
 import time
+import weakref
 
 from vllm_artifact.core.store.shm_root import allocate, check_store_name, open_file, open_root
 from vllm_artifact.errors import StoreError, StoreNotFoundError, WriterConflictError
@@ -43,12 +45,33 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 class WriterLock:
-    """The flock held by a store's single writer."""
+    """The flock held by a store's single writer.
+
+    Not inherited: the fd is ``O_CLOEXEC`` (an exec'd child never sees it), and a forked
+    child closes its copy at once (``os.register_at_fork``). A flock belongs to the open file
+    description, which fork shares: a child that kept its copy would keep the store locked
+    after the writer died. Closing the copy in the child leaves the parent's lock held (the
+    parent still has its fd); the child's store handle then refuses to publish.
+    """
 
     def __init__(self, fd: int, heartbeat_interval: float) -> None:
         self._fd: int | None = fd
         self._interval = heartbeat_interval
         self._last = time.monotonic()
+        self.forked = False  # this is a forked child's copy: the lock is the parent's
+        _HELD.add(self)
+
+    @property
+    def held(self) -> bool:
+        """This process holds the lock (not released, not a forked child's copy)."""
+        return self._fd is not None
+
+    def _drop_in_child(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            self.forked = True
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @classmethod
     def acquire(
@@ -100,6 +123,18 @@ class WriterLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the last fd drops the flock
+
+
+#: Locks this process holds, for the fork hook below.
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    for lock in list(_HELD):
+        lock._drop_in_child()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def _try_collect(root_fd: int, name: str, ttl_seconds: float, now: float) -> bool:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import vllm_artifact.core.store.shm as shm_module
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.envelope import HEADER_NBYTES
 from vllm_artifact.core.store import ObjectStore, ScrubReport, ShmStore, check_shm_space
@@ -487,3 +488,48 @@ def test_reads_in_the_writing_process_do_not_wait_for_its_publisher(
             stop.set()
             writer.join()
         assert store.stats().evictions > 0 and churned > 0
+
+
+@pytest.mark.parametrize("write_lands", [True, False])
+def test_a_checksum_mismatch_is_retried_once_then_corrupt(
+    shm_root: str,
+    layout: R3Layout,
+    namespace: Namespace,
+    monkeypatch: pytest.MonkeyPatch,
+    write_lands: bool,
+) -> None:
+    """docs/store.md: a checksum mismatch with an unchanged seq is retried once after 1 ms (a
+    weakly ordered CPU may show a new header before its payload), then raised as corrupt.
+    A payload byte is flipped before the read; with ``write_lands`` the right byte "arrives"
+    right after the first verification saw the wrong one."""
+    with open_writer(shm_root, layout) as store:
+        keys = [key_for(namespace, i) for i in range(3)]
+        rows = [rows_for(layout, i) for i in range(3)]
+        store.put([(k, r, 16 * i) for i, (k, r) in enumerate(zip(keys, rows, strict=True))])
+        g = store.geometry
+        at = g.payload_offset + 1 * g.slot_nbytes + 100  # keys[1] is in slot 1
+        _flip(shm_root, at)
+        verify = shm_module._verify
+        seen: list[bool] = []
+        sleeps: list[float] = []
+
+        def observed(*args: object) -> object:
+            bad = verify(*args)  # type: ignore[arg-type]
+            seen.append(bad is None)
+            if len(seen) == 1 and write_lands:
+                _flip(shm_root, at)  # the late write lands
+            return bad
+
+        sleep = time.sleep
+        monkeypatch.setattr(shm_module, "_verify", observed)
+        monkeypatch.setattr(shm_module.time, "sleep", lambda s: (sleeps.append(s), sleep(s))[1])
+        with ShmStore.open_reader(shm_root, "s") as reader:
+            out = layout.empty(48)
+            if write_lands:
+                reader.read_into(keys, out)
+                np.testing.assert_array_equal(out, np.concatenate(rows))
+            else:
+                with pytest.raises(ObjectCorruptError, match="checksum mismatch"):
+                    reader.read_into(keys, out)
+        assert seen == [False, write_lands]  # verified twice: retried exactly once
+        assert sleeps == [0.001]

@@ -1,14 +1,16 @@
 """Same-node shared-memory object store under a private /dev/shm root.
 
 One store = one directory ``<root>/<name>/`` holding ``writer.lock`` (writer
-liveness, :mod:`.shm_gc`) and ``arena`` (index, envelopes and payloads,
-:mod:`.shm_arena`). One writer process owns a store; any process of the same
+liveness, :mod:`.shm_gc`), ``metrics`` (the writer's counters, :mod:`.shm_metrics`)
+and ``arena`` (index, envelopes and payloads, :mod:`.shm_arena`), each allocated
+when the writer opens the store (a full /dev/shm is :class:`ShmSpaceError` then,
+never SIGBUS later). One writer process owns a store; any process of the same
 user on the node opens it read-only by ``(root, name)``.
 
 Publish protocol (per slot, a seqlock; crash-safe and lock-free for readers):
 
 1. if the slot held an evicted object, remove its index entry;
-2. ``seq += 1`` (odd: "being written"); readers skip the slot;
+2. ``seq |= 1`` (odd: "being written"); readers skip the slot;
 3. write payload, then envelope fields and checksum;
 4. ``seq += 1`` (even: published);
 5. insert the key -> slot index entry.
@@ -19,7 +21,10 @@ copied*, then re-reads ``seq``: if it changed, the slot was reused during the
 read and the read is retried (and reported missing if the object is gone).
 A writer killed at any point leaves slots with an odd ``seq`` (invisible to
 readers, dropped by the next writer) or complete objects (kept); never a
-visible half-written object.
+visible half-written object. A publication that raises (any exception,
+KeyboardInterrupt too) is undone before the exception propagates: its slots are
+unindexed, retired with an even ``seq`` and freed, so a put that raised stored
+nothing new.
 
 Reopen after a crash: the next writer takes the lock, drops odd/invalid slots,
 removes temporary files and rebuilds the index with vectorized numpy passes

@@ -25,7 +25,8 @@ from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
-from vllm_artifact.errors import WeightVersionError
+from vllm_artifact.client import reader as client_reader
+from vllm_artifact.errors import CapacityError, WeightVersionError
 
 pytestmark = pytest.mark.engine
 
@@ -47,6 +48,14 @@ def llm_a(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
     return llm_factory(
         model_a, artifact_root=str(store_root), max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=8
     )
+
+
+@pytest.fixture(autouse=True)
+def fresh_prefix_cache(llm_a: Any) -> None:
+    """Each test starts with an empty prefix cache, so it passes in any order and alone: the
+    fault tests damage every object in the store, and a later test's first request must not
+    hit a prefix whose R3 they damaged (it recomputes and republishes, replacing it)."""
+    assert llm_a.reset_prefix_cache()
 
 
 def test_shape_and_dtype_uint8(llm_a: Any) -> None:
@@ -183,8 +192,12 @@ PROMPT_TWO = " ".join(f"Another text {i} that shares no prefix, layer {i % 4}." 
 
 
 def test_prefix_hit_is_served_from_the_store(llm_a: Any, model_a: Path) -> None:
+    """A prompt no other test sends: every object it publishes is new to the store."""
+    prompt = " ".join(
+        f"Store hit {i}, counted from a fresh start, expert {i % 8}." for i in range(24)
+    )
     start = connector_stats(llm_a)
-    first = llm_a.generate([PROMPT_ONE], STORE_GREEDY)[0]
+    first = llm_a.generate([prompt], STORE_GREEDY)[0]
     assert_matches_oracle(model_a, first)
     before = connector_stats(llm_a)
     executed = len(executed_tokens(first))
@@ -192,7 +205,7 @@ def test_prefix_hit_is_served_from_the_store(llm_a: Any, model_a: Path) -> None:
     assert before["objects"] - start["objects"] == executed // 32 + (executed % 32 > 0)
     assert before["tails"] - start["tails"] == (executed % 32 > 0)
 
-    again = llm_a.generate([PROMPT_ONE], STORE_GREEDY)[0]
+    again = llm_a.generate([prompt], STORE_GREEDY)[0]
     assert again.num_cached_tokens >= 32
     after = connector_stats(llm_a)
     assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
@@ -269,9 +282,61 @@ def test_a_weight_version_keys_cannot_carry_is_refused_and_the_engine_keeps_serv
         llm_a.finish_weight_update(bad)
     # Past the frontend, straight to the engine process: its own check refuses it too (a lone
     # surrogate cannot even be serialized to it).
-    with pytest.raises(Exception, match="weight version|surrogates not allowed"):
+    with pytest.raises(Exception, match=r"weight version|surrogates not allowed"):
         engine.engine_core.set_weight_version(bad)
     assert engine.get_weight_version() == "default"
     out = llm_a.generate([f"Still serving after a bad weight version {len(bad)}."], GREEDY)[0]
     assert out.outputs[0].finish_reason == "length"
     assert_matches_oracle(model_a, out)
+
+
+def _refuse_publications(worker: Any) -> bool:
+    """Rank zero's store refuses every publication (a store full of pinned objects)."""
+    connector = worker.model_runner.aux_output_connector
+    if connector is None or connector.store is None:
+        return False
+    store = connector.store
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise CapacityError("injected: every slot is pinned")
+
+    store.put_blocks = store.put_runs = store.put = refuse
+    return True
+
+
+def _accept_publications(worker: Any) -> None:
+    connector = worker.model_runner.aux_output_connector
+    if connector is not None and connector.store is not None:
+        for name in ("put_blocks", "put_runs", "put"):
+            connector.store.__dict__.pop(name, None)
+
+
+def test_a_keys_handle_whose_objects_never_arrive_fails_its_request_closed(
+    llm_a: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store refuses the request's objects (CapacityError in the publisher): the handle
+    names keys that never appear, so it is not answered; the request fails closed with the
+    reason, and the array-path request of the same batch is served."""
+    monkeypatch.setattr(client_reader, "_DEFAULT", client_reader.R3Reader(timeout=1.0))
+    prompts = [
+        " ".join(f"Unpublished keys {i} never reach the trainer." for i in range(12)),
+        "An array-path request in the same batch.",
+    ]
+    params = [SamplingParams(**_greedy_args(), extra_args=KEYS), GREEDY]
+    assert any(llm_a.collective_rpc(_refuse_publications))
+    try:
+        keyed, array = llm_a.generate(prompts, params)
+    finally:
+        llm_a.collective_rpc(_accept_publications)
+    completion = keyed.outputs[0]
+    assert completion.finish_reason == "error" and completion.routed_experts is None
+    failure = r3_failure(completion.stop_reason)
+    assert failure is not None and failure.reason == "missing", completion.stop_reason
+    assert "keys handle does not resolve" in failure.message
+    assert array.outputs[0].finish_reason == "length"
+    assert_matches_oracle(model_a, array)
+    # The KV cache still holds the prompt, whose R3 was never stored: a hit would fail closed
+    # (missing). Recomputed, it is published and answered again.
+    assert llm_a.reset_prefix_cache()
+    again = llm_a.generate(prompts[:1], params[:1])[0]
+    assert isinstance(again.outputs[0].routed_experts, R3Keys), again.outputs[0]

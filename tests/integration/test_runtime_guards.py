@@ -16,7 +16,13 @@ from vllm_artifact.core.failure import r3_failure
 from vllm_artifact.core.handoff import KeysContext, StoreAddress
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.tracker import EmittedRows, StepResult
-from vllm_artifact.integration.hooks import apply_all, request_errors, terminal_output
+from vllm_artifact.errors import VllmIncompatibleError
+from vllm_artifact.integration.hooks import (
+    apply_all,
+    request_errors,
+    require_attributes,
+    terminal_output,
+)
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 apply_all()
@@ -127,3 +133,10 @@ def test_a_finished_keys_request_is_never_answered_without_its_handle() -> None:
     assert connector.take_output(done, StepResult(entries={"k": EmittedRows(0, rows)})) is None
     failure = connector.take_late_failures()["k"]
     assert "last, partial block cannot be made" in failure.message
+
+
+def test_a_vllm_without_a_hooked_name_fails_at_install_with_a_typed_error() -> None:
+    """Under ``python -O`` an ``assert`` would vanish and the hook would fail later, or
+    silently; the check is a typed error naming the hook and what to install."""
+    with pytest.raises(VllmIncompatibleError, match=r"request_errors hook .* vLLM 0\.32\.0"):
+        require_attributes("request_errors", (SimpleNamespace, "_raise_if_error"))

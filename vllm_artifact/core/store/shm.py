@@ -69,6 +69,7 @@ from vllm_artifact.core.store.shm_root import (
 from vllm_artifact.core.store.shm_slots import SlotTable
 from vllm_artifact.errors import (
     CapacityError,
+    InternalError,
     KeyCollisionError,
     ObjectCorruptError,
     ObjectMissingError,
@@ -156,18 +157,23 @@ class _Batch:
     def src(self, i: int) -> memoryview:
         if self.srcs is not None:
             return self.srcs[i]
-        assert self.whole is not None
+        whole = self._whole()
         a = i * self.step
-        return self.whole[a : min(a + self.step, len(self.whole))]
+        return whole[a : min(a + self.step, len(whole))]
 
     def src_views(self, idx: np.ndarray) -> Iterator[memoryview]:
         """Payload views of objects ``idx`` (made at C speed for put_blocks)."""
         if self.srcs is not None:
             return map(self.srcs.__getitem__, idx.tolist())
-        assert self.whole is not None
+        whole = self._whole()
         a = idx.astype(np.int64) * self.step
-        e = np.minimum(a + self.step, len(self.whole))
-        return map(self.whole.__getitem__, map(slice, a.tolist(), e.tolist()))
+        e = np.minimum(a + self.step, len(whole))
+        return map(whole.__getitem__, map(slice, a.tolist(), e.tolist()))
+
+    def _whole(self) -> memoryview:
+        if self.whole is None:
+            raise InternalError("a put batch has neither per-object payloads nor a whole run")
+        return self.whole
 
     def deduplicated(self) -> _Batch:
         """Drop repeated keys; a repeat with other content is a collision."""
@@ -330,9 +336,8 @@ class ShmStore(ObjectStore):
 
     def _adopt(self) -> None:
         """Load writer bookkeeping from the (recovered) envelopes."""
-        assert self._slots is not None
-        arena = self._live()
-        self._slots.adopt((arena.headers["magic"] != 0) & ((arena.seq & np.uint64(1)) == 0))
+        arena, slots_tab = self._writer()
+        slots_tab.adopt((arena.headers["magic"] != 0) & ((arena.seq & np.uint64(1)) == 0))
 
     # ------------------------------------------------------------------- basics
 
@@ -852,8 +857,7 @@ class ShmStore(ObjectStore):
             return
         self._index.remove_slots(slots)
         self._mark_empty(slots)
-        slots_tab = self._slots
-        assert slots_tab is not None
+        _, slots_tab = self._writer()
         slots_tab.release(slots)
 
     def _mark_empty(self, slots: np.ndarray) -> None:
@@ -1057,7 +1061,8 @@ class _FreshDest(_Dest):
         return self._buf.data.cast("B"), offsets * self._layout.row_nbytes
 
     def arrays(self) -> list[np.ndarray]:
-        assert self._buf is not None
+        if self._buf is None:
+            raise InternalError("a read's arrays were asked for before its buffer was made")
         bounds = np.cumsum(self._counts)[:-1]
         return list(np.split(self._buf, bounds))
 

@@ -234,8 +234,17 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         so the step's lookup table is built once. Runs inside vLLM's ``update_from_output``:
         it never raises (that would kill the engine); a request whose rows cannot be taken
         is failed after the step (:meth:`take_late_failures`)."""
-        try:
-            return self._take_output(request, output)
+        try:  # (free unless it raises: no wrapper call on this per-request path)
+            if output is not self._step_output:
+                self._new_step_output(output)
+            entry = self._step_rows.get(request.request_id)
+            if entry is None:  # no rows this step, or a keys-only request
+                keys = self._keys_requests.get(request.request_id)
+                return None if keys is None else self._keys_output(request, keys)
+            token_start, rows = entry
+            if request.num_tokens - 1 - token_start == len(rows):
+                return rows  # the common case: every row of the step
+            return self._cut_rows(request, token_start, rows)
         except Exception as error:
             self._late_failures[request.request_id] = _internal_failure(request, error)
             return None
@@ -246,18 +255,6 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             return {}
         failures, self._late_failures = self._late_failures, {}
         return failures
-
-    def _take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:
-        if output is not self._step_output:
-            self._new_step_output(output)
-        entry = self._step_rows.get(request.request_id)
-        if entry is None:  # no rows this step, or a keys-only request
-            keys = self._keys_requests.get(request.request_id)
-            return None if keys is None else self._keys_output(request, keys)
-        token_start, rows = entry
-        if request.num_tokens - 1 - token_start == len(rows):
-            return rows  # the common case: every row of the step
-        return self._cut_rows(request, token_start, rows)
 
     def _new_step_output(self, output: StepResult | None) -> None:
         """The step's rows by request id; keys-only requests take none (their handle instead)."""

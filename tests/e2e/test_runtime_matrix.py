@@ -232,19 +232,37 @@ EAGLE_PROMPTS = [
 
 
 def test_eagle_speculative_decoding_matches_oracle(
-    model_a: Path, store_root: Path, llm_factory: Any, tmp_path: Path
+    model_a: Path,
+    store_root: Path,
+    llm_factory: Any,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     """EAGLE (Model Runner V2's EagleSpeculator) with a tiny draft that mostly guesses right:
     the draft model has no router and is never bound to the capturer, R3 holds the target's
-    routing of exactly the executed tokens, and drafts verified past ``max_tokens`` (dropped
-    by vLLM) do not keep the terminal partial block out of the store (keys path)."""
+    routing of exactly the executed tokens (drafts accepted and rejected), and drafts verified
+    past ``max_tokens`` (dropped by vLLM) do not keep the terminal partial block out of the
+    store (keys path).
+
+    Its store has an explicit ``--artifact-capacity`` of 64 KiB, room for 160 objects, far
+    fewer than the KV cache's blocks (plenty for this test): the engine says so at startup
+    (a prefix hit on an evicted object would fail its request)."""
     draft = build_bigram_eagle_draft(model_a, tmp_path / "eagle-draft", EAGLE_PROMPTS)
+    capfd.readouterr()  # the engine's log from here on
     llm = llm_factory(
         model_a,
         artifact_root=str(store_root / "eagle"),
+        artifact_capacity="64KiB",
         speculative_config={"method": "eagle", "model": str(draft), "num_speculative_tokens": 2},
         disable_log_stats=False,
     )
+    kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    log = "".join(capfd.readouterr())
+    warning = (
+        f"--artifact-capacity 0.1 MiB holds 160 R3 blocks but the KV cache can hold "
+        f"{kv_blocks}: a prefix hit on an evicted object fails that request"
+    )
+    assert kv_blocks > 160 and warning in log, log[-3000:]
 
     def speculator(worker: Any) -> str:
         return type(worker.model_runner.speculator).__name__
@@ -252,8 +270,10 @@ def test_eagle_speculative_decoding_matches_oracle(
     assert llm.collective_rpc(speculator) == ["EagleSpeculator"]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     first, drafted, accepted = generate_speculatively(llm, model_a, EAGLE_PROMPTS, greedy)
-    assert 0 < accepted <= drafted, f"{accepted=} {drafted=}"
-    assert connector_stats(llm)["tails"] == len(EAGLE_PROMPTS)
+    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected: {drafted=}"
+    stats = connector_stats(llm)
+    assert stats["tails"] == len(EAGLE_PROMPTS)
+    assert stats["capacity_objects"] == 160 and stats["evictions"] == 0, stats
     assert_keys_path_equal(llm, EAGLE_PROMPTS, 24, first)
     print(f"EAGLE: {accepted:.0f} of {drafted:.0f} drafts accepted")
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +136,31 @@ def test_every_callback_waiting_for_a_module_runs(tmp_path: Path) -> None:
         sys.path.remove(str(tmp_path))
         sys.modules.pop(name, None)
     assert called == ["first", "second"]
+
+
+ENGINE_MODULE_FIRST = """
+import vllm.v1.engine.async_llm as async_llm  # first vLLM import: mid-import when hooks install
+from vllm.engine.arg_utils import EngineArgs
+from vllm_artifact.integration.hooks import WRAPPED_MARK
+from vllm_artifact.integration.hooks.after_import import pending
+def hooked():
+    return [getattr(getattr(async_llm.AsyncLLM, name), WRAPPED_MARK, False)
+            for name in ("generate", "update_weight_version", "finish_weight_update")]
+print("before", hooked(), sorted(set(pending())))
+EngineArgs(model={model!r}, enable_routed_experts=True).create_engine_config()
+print("after", hooked(), pending())
+"""
+
+
+def test_engine_modules_imported_first_are_hooked_before_any_engine_starts() -> None:
+    """A program (an RL framework's rollout worker) whose first vLLM import is AsyncLLM's
+    module: it is mid-import when our hooks install, so its patches wait, and they are
+    applied when the engine's configuration is made, before any engine exists."""
+    from vllm_artifact_testing.tiny_models import ensure_tiny_model
+
+    code = ENGINE_MODULE_FIRST.format(model=str(ensure_tiny_model("qwen3-moe-8x2")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "before [False, False, False] ['vllm.v1.engine.async_llm']" in lines, out.stdout
+    assert lines[-1] == "after [True, True, True] []", out.stdout

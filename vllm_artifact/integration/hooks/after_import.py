@@ -29,6 +29,7 @@ class _LoaderThenCall(importlib.abc.Loader):
         self._inner.exec_module(module)
         for callback in self._callbacks:
             callback(module)
+        apply_pending()
 
 
 class _ImportWatcher(importlib.abc.MetaPathFinder):
@@ -70,15 +71,40 @@ def is_watched(name: str) -> bool:
     return any(isinstance(f, _ImportWatcher) and f.name == name for f in sys.meta_path)
 
 
+#: Patches of modules that were being imported (``attribute`` not defined yet) when asked for.
+_PENDING: list[tuple[str, str, Callable[[ModuleType], None]]] = []
+
+
 def patch_module(name: str, attribute: str, patch: Callable[[ModuleType], None]) -> bool:
     """``patch(module)`` now if module ``name`` is loaded (far enough to define ``attribute``),
-    else right after it is first imported. False if it is being imported and has not defined
-    ``attribute`` yet, so that it cannot be patched (callers log it)."""
+    else right after it is first imported. If it is being imported and has not defined
+    ``attribute`` yet (hooks install while ``vllm.engine.arg_utils`` loads, which such a
+    module may be importing), the patch waits for :func:`apply_pending` and False is
+    returned."""
     module = sys.modules.get(name)
     if module is None:
         when_imported(name, patch)
         return True
     if attribute not in module.__dict__:
+        _PENDING.append((name, attribute, patch))
         return False
     patch(module)
     return True
+
+
+def apply_pending() -> None:
+    """Apply the waiting patches whose module has now defined its attribute. Called after
+    every watched module loads and when an engine's configuration is made (EngineArgs'
+    ``create_engine_config``, which runs before any engine is built, with vLLM's engine
+    modules fully imported)."""
+    for entry in list(_PENDING):
+        name, attribute, patch = entry
+        module = sys.modules.get(name)
+        if module is not None and attribute in module.__dict__ and entry in _PENDING:
+            _PENDING.remove(entry)
+            patch(module)
+
+
+def pending() -> list[str]:
+    """Modules whose patch still waits (tests, diagnostics)."""
+    return [name for name, _, _ in _PENDING]

@@ -18,6 +18,7 @@ from vllm.engine import arg_utils
 from vllm_artifact.integration import options, validation
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.hooks import require, require_attributes, wrap_once
+from vllm_artifact.integration.hooks.after_import import apply_pending
 from vllm_artifact.integration.metrics import register_store_metrics
 
 _WRAPPED = ("add_cli_args", "from_cli_args", "__init__", "create_engine_config")
@@ -84,6 +85,7 @@ def _init(original: Any) -> Any:
 def _create_engine_config(original: Any) -> Any:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        apply_pending()  # hooks of engine modules that were mid-import at install time
         if not self.aux_output_config.enable_return_routed_experts:
             return original(self, *args, **kwargs)
         validation.check_engine_args(self)

@@ -139,9 +139,4 @@ def _patch(module: ModuleType) -> None:
 def install() -> None:
     for name, attribute in ((_ASYNC_LLM, "AsyncLLM"), (_OFFLINE, "OfflineInferenceMixin")):
         if not patch_module(name, attribute, _patch):
-            logger.warning(
-                "vllm-artifact: %s is being imported and has no %s yet; keys handles are "
-                "answered without being read back first (a trainer's read still checks them)",
-                name,
-                attribute,
-            )
+            logger.debug("vllm-artifact: %s is being imported; patched once it is", name)

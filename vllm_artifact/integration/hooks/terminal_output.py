@@ -185,8 +185,4 @@ def install() -> None:
             wrap_once(serving, "numpy2base64", _wrap_numpy2base64)
     for name in _ROUTER_MODULES:
         if not patch_module(name, "JSONResponse", _install_json_response):
-            logger.warning(
-                "vllm-artifact: %s is being imported and has no JSONResponse yet, so its "
-                "responses render R3 with vLLM's own, slower JSON encoding",
-                name,
-            )
+            logger.debug("vllm-artifact: %s is being imported; patched once it is", name)

@@ -98,9 +98,4 @@ def install() -> None:
     wrap_once(EngineCore, "set_weight_version", _wrap_set_weight_version)
     for module_name, owner_name in dict.fromkeys((m, o) for m, o, *_ in _FRONTEND_SETTERS):
         if not patch_module(module_name, owner_name, _patch_setters):
-            logger.warning(
-                "vllm-artifact: %s is being imported and has no %s yet; its weight-version "
-                "setters are checked in the engine only (a bad version fails the call there)",
-                module_name,
-                owner_name,
-            )
+            logger.debug("vllm-artifact: %s is being imported; patched once it is", module_name)

@@ -300,17 +300,34 @@ def test_update_weight_version_over_http_rekeys_r3(server_a: RunningServer, mode
 
 
 def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a: Path) -> None:
-    """Abort mid-generation (client disconnects), then the same prompt hits the cache and the
-    store: the blocks published before the abort serve the new request's prefix."""
+    """Abort mid-generation (client disconnects): vLLM stops the request (nothing runs any
+    more, and it generated far fewer than its max_tokens), then the same prompt hits the
+    cache and the store: the blocks published before the abort serve the new request's
+    prefix (one store read per cached block, on the store's counters)."""
+    import time
+
+    def scrape() -> dict[str, float]:
+        """vLLM's and our /metrics samples, summed over their labels but finished_reason."""
+        text = requests.get(server_a.base_url + "/metrics", timeout=60).text
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                reason = sample.labels.get("finished_reason")
+                name = sample.name if reason is None else f"{sample.name}[{reason}]"
+                totals[name] = totals.get(name, 0.0) + sample.value
+        return totals
+
     prompt = " ".join(f"Abort test sentence number {i}." for i in range(30))
-    stream_body = {
+    max_tokens = 400
+    stream_body: dict[str, Any] = {
         "model": str(model_a),
         "prompt": prompt,
-        "max_tokens": 400,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
     }
+    before = scrape()
     with requests.post(
         server_a.base_url + "/v1/completions", json=stream_body, stream=True, timeout=300
     ) as reply:
@@ -320,11 +337,29 @@ def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a
             chunks += bool(line)
             if chunks >= 3:
                 break  # closing the connection aborts the request in vLLM
+    deadline = time.monotonic() + 120
+    while (aborted := scrape())["vllm:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborted["vllm:num_requests_running"] == 0, "the request kept running"
+    generated = aborted["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 3 <= generated < max_tokens / 2, f"not aborted: {generated} tokens generated"
+    # Nor did it finish otherwise (vLLM 0.32 counts no finish reason for a request whose
+    # client went away).
+    finished = {
+        reason: aborted.get(f"vllm:request_success_total[{reason}]", 0.0)
+        - before.get(f"vllm:request_success_total[{reason}]", 0.0)
+        for reason in ("stop", "length", "error")
+    }
+    assert not any(finished.values()), finished
+
     result = post(server_a, "/v1/completions", greedy_body(model_a, 5, prompt=prompt))
     cached = (result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     assert cached is not None and cached >= 32, result["usage"]
     choice = result["choices"][0]
     check_choice(model_a, choice["prompt_token_ids"], choice)
+    read = scrape()["vllm_artifact_read_objects_total"]
+    read -= aborted["vllm_artifact_read_objects_total"]
+    assert read == cached // 32, f"{read} objects read from the store for {cached} cached tokens"
 
 
 def test_corrupt_store_fails_one_request_with_a_clear_http_error(
@@ -365,29 +400,75 @@ def test_rl_rollout_example_against_the_server(server_a: RunningServer, model_a:
         assert all(item.r3.experts.shape[1:] == (4, 2) for item in rollouts)
 
 
-def test_prometheus_metrics_on_vllms_metrics_endpoint(server_a: RunningServer) -> None:
-    """After the tests above (prefix hits, a corrupted store): store gauges, counters and
-    latency histograms, and the requests that failed closed, on vLLM's own /metrics."""
-    text = requests.get(server_a.base_url + "/metrics", timeout=60).text
-    samples = {
-        (family.name, sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+def test_prometheus_metrics_on_vllms_metrics_endpoint(
+    server_a: RunningServer, model_a: Path, store_root: Path
+) -> None:
+    """Store gauges, counters and latency histograms, and requests failed closed, on vLLM's
+    own /metrics, from requests of this test alone (any order): a prefix hit read from the
+    store, and a request that fails closed on an object of its own prompt made corrupt. The
+    store gauges agree with the store as a separate reader sees it."""
+    import time
 
-    def value(sample_name: str, **labels: str) -> float:
-        found = [
-            v
-            for (_, name, sample_labels), v in samples.items()
-            if name == sample_name and set(labels.items()) <= set(sample_labels)
-        ]
-        assert len(found) == 1, f"{sample_name} {labels}: {found}"
-        return found[0]
+    from vllm_artifact_testing.store_faults import flip_objects
 
-    assert value("vllm_artifact_store_objects") > 0
-    assert value("vllm_artifact_store_capacity_bytes") >= value("vllm_artifact_store_bytes") > 0
-    assert value("vllm_artifact_published_objects_total") > 0
-    assert value("vllm_artifact_read_objects_total") > 0  # prefix hits served from the store
-    assert value("vllm_artifact_publish_seconds_count") > 0
-    assert value("vllm_artifact_read_seconds_bucket", le="+Inf") > 0
-    assert value("vllm_artifact_failed_requests_total", reason="corrupt") >= 1
+    from vllm_artifact.core.handoff import R3Keys
+    from vllm_artifact.core.store import ShmStore
+
+    def scrape() -> dict[tuple[str, str], float]:
+        """Samples by (name, the ``reason`` or ``le`` label); one store under server_a's root."""
+        text = requests.get(server_a.base_url + "/metrics", timeout=60).text
+        found: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.name, sample.labels.get("reason") or sample.labels.get("le", ""))
+                if sample.name.startswith("vllm_artifact_"):
+                    assert key not in found, f"two samples for {key}"
+                found[key] = sample.value
+        return found
+
+    prompt = " ".join(f"Prometheus metrics sentence {i} of this test alone." for i in range(24))
+    body = greedy_body(model_a, 4, prompt=prompt)
+    before = scrape()
+    post(server_a, "/v1/completions", body)  # published
+    hit = post(server_a, "/v1/completions", {**body, **KEYS_XARGS})  # prefix hit, keys
+    cached = (hit["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached and cached >= 32, hit["usage"]
+    served = scrape()
+
+    def delta(name: str, label: str = "", start: dict[tuple[str, str], float] = before) -> float:
+        return served.get((name, label), 0.0) - start.get((name, label), 0.0)
+
+    assert delta("vllm_artifact_read_objects_total") == cached // 32
+    assert delta("vllm_artifact_read_seconds_count") >= 1
+    assert delta("vllm_artifact_read_seconds_bucket", "+Inf") >= 1
+    assert delta("vllm_artifact_published_objects_total") > 0
+    assert delta("vllm_artifact_publish_seconds_count") > 0
+
+    # Make this prompt's objects corrupt: its next request fails closed, counted by reason.
+    keys, _, _ = R3Keys.from_json(hit["choices"][0]["routed_experts"]).object_keys()
+    assert flip_objects(store_root, keys) == len(keys)
+    reply = requests.post(server_a.base_url + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 500 and "corrupt" in reply.json()["error"]["message"], reply.text
+    served = scrape()
+    assert delta("vllm_artifact_failed_requests_total", "corrupt") == 1
+
+    # Store gauges, against the store as a separate reader sees it once publications settle.
+    (name,) = [p.name for p in store_root.iterdir() if p.name.startswith("r3-")]
+    arena = store_root / name / "arena"
+    deadline = time.monotonic() + 30
+    while True:
+        with ShmStore.open_reader(str(store_root), name) as reader:
+            store = reader.stats()
+        served = scrape()
+        objects = served[("vllm_artifact_store_objects", "")]
+        if objects == store.objects or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert objects == store.objects > 0
+    assert served[("vllm_artifact_store_bytes", "")] == store.bytes_used == objects * 256
+    assert served[("vllm_artifact_store_capacity_bytes", "")] == arena.stat().st_size
+    # Pins follow the KV cache, which still holds this test's blocks; far from full (auto
+    # capacity is twice the KV cache), so the store has evicted nothing.
+    assert 0 < served[("vllm_artifact_store_pinned_objects", "")] <= objects
+    assert objects < store.capacity_objects
+    assert served[("vllm_artifact_store_evictions_total", "")] == 0

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,20 @@ def server_a(servers: list[RunningServer]) -> RunningServer:
 def server_b_old_flag(servers: list[RunningServer]) -> RunningServer:
     """The uint16 model, served with the upstream spelling ``--enable-return-routed-experts``."""
     return servers[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_prefix_cache(servers: list[RunningServer]) -> None:
+    """Each test starts with empty prefix caches (dev mode's POST /reset_prefix_cache), so it
+    passes in any order and alone: the corrupt-store test damages every object of server_a's
+    store, and a later test's first request must not hit a prefix whose R3 it damaged."""
+    for server in servers:
+        deadline = time.monotonic() + 30
+        while not requests.post(server.base_url + "/reset_prefix_cache", timeout=60).json()[
+            "success"
+        ]:  # an aborted request may still hold blocks for a moment
+            assert time.monotonic() < deadline, "the prefix cache could not be reset"
+            time.sleep(0.2)
 
 
 def greedy_body(model: Path, max_tokens: int, **fields: Any) -> dict[str, Any]:

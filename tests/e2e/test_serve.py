@@ -319,7 +319,6 @@ def test_aborted_request_keeps_published_blocks(server_a: RunningServer, model_a
     more, and it generated far fewer than its max_tokens), then the same prompt hits the
     cache and the store: the blocks published before the abort serve the new request's
     prefix (one store read per cached block, on the store's counters)."""
-    import time
 
     def scrape() -> dict[str, float]:
         """vLLM's and our /metrics samples, summed over their labels but finished_reason."""
@@ -422,8 +421,6 @@ def test_prometheus_metrics_on_vllms_metrics_endpoint(
     own /metrics, from requests of this test alone (any order): a prefix hit read from the
     store, and a request that fails closed on an object of its own prompt made corrupt. The
     store gauges agree with the store as a separate reader sees it."""
-    import time
-
     from vllm_artifact_testing.store_faults import flip_objects
 
     from vllm_artifact.core.handoff import R3Keys

@@ -68,7 +68,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, init_none_hash, maybe_convert
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.keys import full_block_keys
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
+from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Submission
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import RequestTracker
@@ -399,7 +399,7 @@ def ours(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
     store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=256 << 20)
     publisher = BackgroundPublisher(store)
 
-    def copy_runs(runs: list[BlockRun | PinChange], log: WriteLog) -> list[BlockRun | PinChange]:
+    def copy_runs(runs: list[Submission], log: WriteLog) -> list[Submission]:
         return [
             run._replace(rows=log.keep(run.rows)) if isinstance(run, BlockRun) else run
             for run in runs
@@ -408,9 +408,9 @@ def ours(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
     log = WriteLog(copy_runs)
     submit = publisher.submit
 
-    def recording_submit(runs: Sequence[BlockRun | PinChange]) -> None:
+    def recording_submit(runs: Sequence[Submission]) -> bool:
         log.add(list(runs))
-        submit(runs)
+        return submit(runs)
 
     publisher.submit = recording_submit  # type: ignore[method-assign]
 

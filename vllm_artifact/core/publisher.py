@@ -32,7 +32,7 @@ from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, KeyCollisionError, StoreError
 
-__all__ = ["BackgroundPublisher", "BlockRun", "Lease", "PinChange"]
+__all__ = ["BackgroundPublisher", "BlockRun", "Lease", "PinChange", "Submission"]
 
 logger = logging.getLogger("vllm.artifact.publisher")
 

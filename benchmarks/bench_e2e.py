@@ -99,9 +99,10 @@ from server_processes import (
 )
 from time_slices import TimeSlices
 from vllm_artifact_testing.server import RunningServer, vllm_server
-from vllm_artifact_testing.tiny_models import ensure_tiny_model, training_corpus
 
 from vllm_artifact.client import decode_routed_experts
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
+from vllm_artifact.selftest.tokenizer import training_corpus
 
 #: Special tokens of the tiny model's tokenizer are 0..2; prompts use ordinary ids only.
 TOKEN_LOW, TOKEN_HIGH = 3, 512

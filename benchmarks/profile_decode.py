@@ -26,7 +26,8 @@ from typing import Any
 import psutil
 import requests
 from vllm_artifact_testing.server import RunningServer, vllm_server
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
+
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 
 def batch(server: RunningServer, model: Path) -> float:

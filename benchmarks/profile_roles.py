@@ -37,7 +37,8 @@ import requests
 from bench_e2e import WARM_UP, Sizes, workloads
 from server_processes import ROLES, environ, py_spy_path, role_pids, server_plans
 from vllm_artifact_testing.server import RunningServer, vllm_server
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
+
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 #: Frames in which a thread waits for work (spinning or polling), not doing any.
 WAIT_FRAMES = (

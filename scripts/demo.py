@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import requests
 from vllm_artifact_testing.server import vllm_server
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
 from vllm_artifact.client import RoutedExperts, decode_r3
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 
 def main() -> int:

@@ -39,9 +39,7 @@ import numpy as np
 import requests
 from vllm_artifact_testing.chaos import TARGETS, check_root, sigkill, store_names
 from vllm_artifact_testing.engine_env import ENGINE_KWARGS
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.server import RunningServer, vllm_server
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
 from vllm_artifact.client import R3Reader, decode_r3
 from vllm_artifact.core import R3Layout
@@ -50,6 +48,8 @@ from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.core.store.shm_metrics import StoreMetrics
 from vllm_artifact.errors import ObjectMissingError
 from vllm_artifact.integration.config import parse_size
+from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 MODEL = "qwen3-moe-8x2"
 #: What the engine logs at startup when its store holds fewer blocks than its KV cache.

@@ -18,7 +18,8 @@ import psutil
 import pytest
 from vllm_artifact_testing.chaos import sigkill_processes
 from vllm_artifact_testing.engine_env import ENGINE_KWARGS, apply_cpu_engine_env
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
+
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 apply_cpu_engine_env()
 # Tests read connector counters from the workers with collective_rpc(<function>), which vLLM

@@ -38,13 +38,13 @@ from vllm_artifact_testing.engine_probe import (
     executed_tokens,
     vllm_counters,
 )
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.store_faults import small_tmpfs
 
 from vllm_artifact.core import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.integration.metrics import StoreCollector
+from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
 
 pytestmark = pytest.mark.engine
 

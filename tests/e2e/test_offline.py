@@ -21,12 +21,12 @@ from vllm_artifact_testing.engine_probe import (
     connector_stats,
     executed_tokens,
 )
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
 from vllm_artifact.client import reader as client_reader
 from vllm_artifact.errors import CapacityError, WeightVersionError
+from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
 
 pytestmark = pytest.mark.engine
 

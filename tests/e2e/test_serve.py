@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
 from vllm_artifact_testing.server import RunningServer, vllm_servers
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import decode_r3
+from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
 
 pytestmark = pytest.mark.engine
 

@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm_artifact_testing.engine_env import ENGINE_KWARGS
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
 from vllm_artifact.core.store import default_root
 from vllm_artifact.errors import ArtifactConfigError
@@ -35,6 +34,7 @@ from vllm_artifact.integration.config import (
     parse_size,
 )
 from vllm_artifact.integration.plugin import register
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 # A local model directory: vLLM resolves model names, and the e2e tests put the process in
 # Hugging Face offline mode (no hub on these machines), where a made-up name cannot resolve.

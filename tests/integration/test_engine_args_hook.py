@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm_artifact_testing.tiny_models import ensure_tiny_model
 
 from vllm_artifact.errors import ArtifactConfigError
 from vllm_artifact.integration.plugin import register
+from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
 # A local model directory: vLLM resolves model names, and the e2e tests put the process in
 # Hugging Face offline mode (no hub on these machines), where a made-up name cannot resolve.

@@ -156,7 +156,7 @@ def test_engine_modules_imported_first_are_hooked_before_any_engine_starts() -> 
     """A program (an RL framework's rollout worker) whose first vLLM import is AsyncLLM's
     module: it is mid-import when our hooks install, so its patches wait, and they are
     applied when the engine's configuration is made, before any engine exists."""
-    from vllm_artifact_testing.tiny_models import ensure_tiny_model
+    from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 
     code = ENGINE_MODULE_FIRST.format(model=str(ensure_tiny_model("qwen3-moe-8x2")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
-from vllm_artifact_testing import tiny_models as tm
-from vllm_artifact_testing.oracle import (
+
+from vllm_artifact.selftest import tiny_models as tm
+from vllm_artifact.selftest.oracle import (
     DENSE_FILL,
     RouterOracle,
     assert_routing_matches,
@@ -96,7 +97,7 @@ def test_config_and_weights_load_in_transformers(variant: str, built: dict[str, 
     assert cfg.num_experts == spec.num_experts
     assert cfg.num_experts_per_tok == spec.top_k
     assert list(cfg.mlp_only_layers) == list(spec.mlp_only_layers)
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim) == (4, 128, 32)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim) == (spec.num_layers, 128, 32)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     assert cfg.vocab_size == 512 and cfg.max_position_embeddings >= 4096
     assert cfg.norm_topk_prob is True and cfg.tie_word_embeddings is False

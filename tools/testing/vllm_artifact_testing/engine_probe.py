@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_artifact_testing.oracle import assert_routing_matches, hf_router_topk
+from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
 
 
 def connector_stats(llm: Any) -> dict[str, int]:

@@ -229,3 +229,55 @@ def assert_routing_matches(
             f"{float(gaps[t, layer]):.6g}; {int(mismatch.sum())} mismatching "
             f"(token, layer) pairs of {mismatch.size}"
         )
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How many (token, layer) rows of an R3 array equal the oracle's (a dense layer's row
+    must hold the dense mark); ``near_ties`` of the unequal ones were decided by a router
+    logit gap below the threshold (float noise, e.g. TF32 matmuls, may flip those)."""
+
+    rows: int
+    equal: int
+    near_ties: int
+    first_problem: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.rows > 0 and self.equal == self.rows
+
+
+def routing_agreement(
+    actual: np.ndarray, oracle: RouterOracle, *, near_tie_gap: float = 1e-3
+) -> Agreement:
+    """Compare every row of ``actual`` [T, L, k] (uint8/uint16, dense layers marked with the
+    dtype's largest value) with the oracle; never raises on a mismatch."""
+    act = np.asarray(actual)
+    total = oracle.num_tokens * oracle.num_layers
+    if act.ndim != 3 or act.shape != oracle.topk_ids.shape or act.dtype.kind != "u":
+        shape = f"R3 has shape {act.shape} ({act.dtype}), expected {oracle.topk_ids.shape}"
+        return Agreement(total, 0, 0, shape)
+    mark = int(np.iinfo(act.dtype).max)
+    values = act.astype(np.int64)
+    equal = np.empty((oracle.num_tokens, oracle.num_layers), dtype=bool)
+    dense = ~oracle.moe_layers
+    equal[:, dense] = (values[:, dense, :] == mark).all(axis=-1)
+    moe = oracle.moe_layers
+    equal[:, moe] = (
+        np.sort(values[:, moe, :], axis=-1) == np.sort(oracle.topk_ids[:, moe, :], axis=-1)
+    ).all(axis=-1)
+    unequal = ~equal
+    near = unequal & (oracle.topk_gap < near_tie_gap)
+    problem: str | None = None
+    if unequal.any():
+        t, layer = (int(v) for v in np.argwhere(unequal)[0])
+        expected = (
+            f"the dense mark {mark}"
+            if dense[layer]
+            else f"{sorted(oracle.topk_ids[t, layer].tolist())} (logit gap "
+            f"{float(oracle.topk_gap[t, layer]):.3g})"
+        )
+        problem = (
+            f"token {t}, layer {layer}: {sorted(values[t, layer].tolist())}, expected {expected}"
+        )
+    return Agreement(total, int(equal.sum()), int(near.sum()), problem)

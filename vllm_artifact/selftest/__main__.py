@@ -1,0 +1,5 @@
+import sys
+
+from vllm_artifact.selftest.runner import main
+
+sys.exit(main())

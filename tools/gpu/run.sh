@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On the H200 machine (the device tool's `run`, carry [".gpu"]): install what .gpu/ holds into
+# /tmp/site, put the stand-ins in place, then run each PHASE; outputs land in $OUT.
+#   bash tools/gpu/run.sh selftest
+# vLLM 0.32.0's Python runs on the machine's torch with Triton kernels and the few PyTorch
+# stand-ins of tools/gpu/shims for compiled ops that cannot be carried (docs/gpu.md).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SITE=/tmp/site
+STAMP=$( (ls "$REPO/.gpu/whl"; md5sum "$REPO/.gpu/vllm-src.tgz" "$REPO/.gpu/distinfo.tgz") | md5sum | cut -c1-16)
+if [[ "$(cat $SITE/.stamp 2>/dev/null)" != "$STAMP" ]]; then
+    rm -rf $SITE
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target $SITE "$REPO"/.gpu/whl/*.whl || exit 1
+    tar xzf "$REPO/.gpu/vllm-src.tgz" -C $SITE && tar xzf "$REPO/.gpu/distinfo.tgz" -C $SITE
+    echo "$STAMP" > $SITE/.stamp
+fi
+cp "$REPO"/tools/gpu/shims/_C_stable_libtorch.py "$REPO"/tools/gpu/shims/_moe_C_stable_libtorch.py \
+    $SITE/vllm/
+# vllm.vllm_flash_attn raises ImportError without its compiled extensions, which cannot be
+# carried; the engines here use TRITON_ATTN, so the package only has to import.
+python3 - $SITE/vllm/vllm_flash_attn/__init__.py <<'PY'
+import re, sys
+path = sys.argv[1]
+text = open(path).read()
+patched = re.sub(r"\n    raise ImportError\([^)]*\)\n", "\n    pass  # tools/gpu: no FA2/FA3 extension\n", text)
+open(path, "w").write(patched)
+PY
+export PYTHONPATH=$SITE:$REPO PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+    VLLM_USE_V2_MODEL_RUNNER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false VLLM_ARTIFACT_CACHE=/tmp/vllm-artifact-cache
+# Engine settings the stand-ins need: Triton attention and MoE, PyTorch-native custom ops and
+# norms, full CUDA graphs without torch.compile (the machine's torch is not vLLM's).
+ENGINE_ARGS='{"attention_backend": "TRITON_ATTN", "moe_backend": "triton",
+  "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
+  "compilation_config": {"mode": 0, "custom_ops": ["none"], "cudagraph_mode": "FULL",
+    "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
+  "enforce_eager": false, "kv_cache_memory_bytes": 268435456}'
+status=0
+for phase in "$@"; do
+    echo "== $phase ($(date -u +%H:%M:%S))"
+    case $phase in
+        info)
+            nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+            python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+            ;;
+        selftest)
+            python3 -m vllm_artifact.selftest --engine-args "$ENGINE_ARGS" \
+                --json "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.log" | grep -v " INFO " \
+                || status=1
+            ;;
+        *) echo "unknown phase $phase"; status=2 ;;
+    esac
+done
+exit $status

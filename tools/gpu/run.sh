@@ -21,12 +21,21 @@ cp "$REPO"/tools/gpu/shims/_C_stable_libtorch.py "$REPO"/tools/gpu/shims/_moe_C_
     $SITE/vllm/
 # vllm.vllm_flash_attn raises ImportError without its compiled extensions, which cannot be
 # carried; the engines here use TRITON_ATTN, so the package only has to import.
-python3 - $SITE/vllm/vllm_flash_attn/__init__.py <<'PY'
+python3 - $SITE/vllm/vllm_flash_attn/__init__.py <<'PY' || exit 1
 import re, sys
 path = sys.argv[1]
 text = open(path).read()
-patched = re.sub(r"\n    raise ImportError\([^)]*\)\n", "\n    pass  # tools/gpu: no FA2/FA3 extension\n", text)
-open(path, "w").write(patched)
+if "tools/gpu: no FA2/FA3 extension" not in text:
+    text, count = re.subn(
+        r"\n    raise ImportError\(\n.*?\n    \)\n",
+        "\n    pass  # tools/gpu: no FA2/FA3 extension\n",
+        text,
+        count=1,
+        flags=re.S,
+    )
+    if count != 1:
+        sys.exit(f"{path}: its ImportError was not found; update tools/gpu/run.sh")
+    open(path, "w").write(text)
 PY
 export PYTHONPATH=$SITE:$REPO PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
     VLLM_USE_V2_MODEL_RUNNER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
@@ -46,10 +55,15 @@ for phase in "$@"; do
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
             python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
             ;;
-        selftest)
+        selftest)  # full CUDA graphs (asynchronous scheduling as vLLM turns it on)
             python3 -m vllm_artifact.selftest --engine-args "$ENGINE_ARGS" \
                 --json "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.log" | grep -v " INFO " \
                 || status=1
+            ;;
+        selftest-eager)  # no CUDA graphs
+            EAGER=$(python3 -c 'import json, sys; a = json.loads(sys.argv[1]); a["enforce_eager"] = True; a["compilation_config"] = {"mode": 0, "custom_ops": ["none"]}; print(json.dumps(a))' "$ENGINE_ARGS")
+            python3 -m vllm_artifact.selftest --engine-args "$EAGER" --json "$OUT/selftest-eager.json" \
+                2>&1 | tee "$OUT/selftest-eager.log" | grep -v " INFO " || status=1
             ;;
         *) echo "unknown phase $phase"; status=2 ;;
     esac

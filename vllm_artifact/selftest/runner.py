@@ -184,6 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # R3 is captured by Model Runner V2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    if torch.cuda.is_available():
+        # Engine processes are spawned, not forked: after the first engine this process has
+        # touched CUDA, and a forked engine core then fails with "CUDA error: initialization
+        # error" (seen on the H200).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     full_precision()
     from vllm_artifact.selftest.tiny_models import ensure_tiny_model
 

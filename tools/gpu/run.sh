@@ -65,6 +65,26 @@ for phase in "$@"; do
             python3 -m vllm_artifact.selftest --engine-args "$EAGER" --json "$OUT/selftest-eager.json" \
                 2>&1 | tee "$OUT/selftest-eager.log" | grep -v " INFO " || status=1
             ;;
+        serve)  # vllm serve on loopback, the openai client, the oracle (tools/gpu/serve_check.py)
+            MODEL=$(python3 -c 'from vllm_artifact.selftest.tiny_models import ensure_tiny_model as m; print(m("qwen3-moe-16x4-dense0"))')
+            CC=$(python3 -c 'import json, sys; print(json.dumps(json.loads(sys.argv[1])["compilation_config"]))' "$ENGINE_ARGS")
+            TRITON_F32_DEFAULT=ieee python3 -m vllm.entrypoints.cli.main serve "$MODEL" \
+                --host 127.0.0.1 --port 8321 --enable-routed-experts --dtype float32 \
+                --enable-prompt-tokens-details --max-model-len 1024 \
+                --attention-backend TRITON_ATTN --moe-backend triton \
+                --ir-op-priority '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}' \
+                -cc "$CC" --kv-cache-memory-bytes 268435456 > "$OUT/serve.log" 2>&1 &
+            SERVER=$!
+            for _ in $(seq 300); do
+                python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8321/health")' \
+                    2>/dev/null && break
+                kill -0 $SERVER 2>/dev/null || break
+                sleep 1
+            done
+            python3 tools/gpu/serve_check.py http://127.0.0.1:8321 "$MODEL" 2>&1 \
+                | tee "$OUT/serve-check.txt" || status=1
+            kill $SERVER; wait $SERVER
+            ;;
         *) echo "unknown phase $phase"; status=2 ;;
     esac
 done

@@ -63,3 +63,16 @@ def test_a_wrong_shape_or_a_problem_of_the_case_fails() -> None:
     result = CaseResult.of("case", [routing_agreement(r3(), oracle())], "not a prefix hit")
     assert result.status == "FAIL" and result.detail == "not a prefix hit"
     assert CaseResult.of("case", []).status == "FAIL"  # nothing compared is not a pass
+
+
+def test_the_report_never_hides_a_case_that_did_not_run() -> None:
+    from vllm_artifact.selftest.runner import Versions, report
+
+    found = Versions("3.11", "0.32.0", "2.13", "0.1.0", "CPU", "-")
+    ran = CaseResult.of("batch", [routing_agreement(r3(), oracle())])
+    skipped = CaseResult.not_runnable("speculative", RuntimeError("no kernels"))
+    text = report([ran, skipped], found)
+    assert text.endswith("every case that ran; not runnable on this install: speculative")
+    assert report([ran], found).endswith("PASS: R3 equals the oracle in every case")
+    failed = CaseResult.failed("engine start", "RuntimeError: no GPU")
+    assert report([failed], found).endswith("FAIL")

@@ -121,9 +121,13 @@ def engine(model: Path, root: Path, extra: dict[str, Any], **overrides: Any) -> 
 
 def run(model: Path, root: Path, *, speculative: bool, extra: dict[str, Any]) -> list[CaseResult]:
     results: list[CaseResult] = []
-    with engine(model, root, extra) as llm:
-        for case in CASES:
-            results.append(_run_case(case, llm, model, root))
+    try:
+        with engine(model, root, extra) as llm:
+            for case in CASES:
+                results.append(_run_case(case, llm, model, root))
+    except Exception as error:  # the engine did not start: nothing could be checked
+        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        return [CaseResult.failed("engine start", detail)]
     if speculative:
         try:
             with engine(model, root, extra, **SPECULATIVE.engine_overrides) as llm:
@@ -157,7 +161,11 @@ def report(results: Sequence[CaseResult], found: Versions) -> str:
         if r.detail:
             lines.append(f"    {r.detail}")
     passed = all(r.status != "FAIL" for r in results)
-    lines += ["", "PASS: R3 equals the oracle in every case" if passed else "FAIL"]
+    skipped = [r.name for r in results if r.status == "not runnable"]
+    verdict = "PASS: R3 equals the oracle in every case" if passed else "FAIL"
+    if passed and skipped:
+        verdict += " that ran; not runnable on this install: " + ", ".join(skipped)
+    lines += ["", verdict]
     return "\n".join(lines)
 
 

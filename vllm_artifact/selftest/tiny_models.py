@@ -23,7 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +269,31 @@ def build_from_spec(spec: TinyModelSpec, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer(spec.vocab_size, spec.seed)
+    token_ids = write_tokenizer_files(
+        out_dir, spec.vocab_size, spec.seed, spec.max_position_embeddings
+    )
+    _write_json(out_dir / CONFIG_FILE, _config_dict(spec, token_ids))
+    _write_json(
+        out_dir / GENERATION_CONFIG_FILE,
+        {
+            "bos_token_id": token_ids[ENDOFTEXT],
+            "do_sample": False,
+            "eos_token_id": [token_ids[IM_END], token_ids[ENDOFTEXT]],
+            "pad_token_id": token_ids[ENDOFTEXT],
+        },
+    )
+    save_file(make_weights(spec), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    os.chmod(out_dir / WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
+
+    write_manifest(out_dir, BUILDER_VERSION, spec.name, dataclasses.asdict(spec))
+    return out_dir
+
+
+def write_tokenizer_files(
+    out_dir: Path, vocab_size: int, seed: int, model_max_length: int
+) -> dict[str, int]:
+    """Train the tokenizer and write its three files; returns the special tokens' ids."""
+    tokenizer = train_tokenizer(vocab_size, seed)
     token_ids: dict[str, int] = {}
     for tok in SPECIAL_TOKENS:
         token_id = tokenizer.token_to_id(tok)
@@ -297,7 +321,7 @@ def build_from_spec(spec: TinyModelSpec, out_dir: Path) -> Path:
             "chat_template": CHAT_TEMPLATE,
             "clean_up_tokenization_spaces": False,
             "eos_token": IM_END,
-            "model_max_length": spec.max_position_embeddings,
+            "model_max_length": model_max_length,
             "pad_token": ENDOFTEXT,
             "tokenizer_class": "PreTrainedTokenizerFast",
             "unk_token": None,
@@ -307,30 +331,20 @@ def build_from_spec(spec: TinyModelSpec, out_dir: Path) -> Path:
         out_dir / SPECIAL_TOKENS_MAP_FILE,
         {"bos_token": ENDOFTEXT, "eos_token": IM_END, "pad_token": ENDOFTEXT},
     )
-    _write_json(out_dir / CONFIG_FILE, _config_dict(spec, token_ids))
-    _write_json(
-        out_dir / GENERATION_CONFIG_FILE,
-        {
-            "bos_token_id": token_ids[ENDOFTEXT],
-            "do_sample": False,
-            "eos_token_id": [token_ids[IM_END], token_ids[ENDOFTEXT]],
-            "pad_token_id": token_ids[ENDOFTEXT],
-        },
-    )
-    save_file(make_weights(spec), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    os.chmod(out_dir / WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
+    return token_ids
 
-    # The manifest comes last: its presence and hashes mark a complete build.
+
+def write_manifest(out_dir: Path, builder_version: str, variant: str, spec: Any) -> None:
+    """Written last: its presence and hashes mark a complete build (``is_complete``)."""
     _write_json(
         out_dir / MANIFEST_FILE,
         {
-            "builder_version": BUILDER_VERSION,
+            "builder_version": builder_version,
             "files": {name: _sha256(out_dir / name) for name in MODEL_FILES},
-            "spec": dataclasses.asdict(spec),
-            "variant": spec.name,
+            "spec": spec,
+            "variant": variant,
         },
     )
-    return out_dir
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -384,14 +398,22 @@ def ensure_tiny_model(variant: str = DEFAULT_VARIANT, cache_dir: Path | None = N
     processes both end up with one complete directory (the loser drops its copy).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / model_dir_name(variant)
+    return install_atomically(
+        cache / model_dir_name(variant), lambda tmp: build_tiny_model(variant, tmp)
+    )
+
+
+def install_atomically(target: Path, build: Callable[[Path], object]) -> Path:
+    """Return ``target`` if complete, else ``build`` a model into a temporary sibling and
+    rename it into place (see :func:`ensure_tiny_model`)."""
     if is_complete(target):
         return target
+    cache = target.parent
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is not secret
     try:
-        build_tiny_model(variant, tmp)
+        build(tmp)
         for _ in range(3):
             try:
                 os.rename(tmp, target)

@@ -37,7 +37,7 @@ if "tools/gpu: no FA2/FA3 extension" not in text:
         sys.exit(f"{path}: its ImportError was not found; update tools/gpu/run.sh")
     open(path, "w").write(text)
 PY
-export PYTHONPATH=$SITE:$REPO PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+export PATH=$SITE/bin:$PATH PYTHONPATH=$SITE:$REPO:$REPO/tools/testing PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
     VLLM_USE_V2_MODEL_RUNNER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false VLLM_ARTIFACT_CACHE=/tmp/vllm-artifact-cache
 # Engine settings the stand-ins need: Triton attention and MoE, PyTorch-native custom ops and
@@ -84,6 +84,13 @@ for phase in "$@"; do
             python3 tools/gpu/serve_check.py http://127.0.0.1:8321 "$MODEL" 2>&1 \
                 | tee "$OUT/serve-check.txt" || status=1
             kill $SERVER; wait $SERVER
+            ;;
+        perf)  # off / vLLM's own / ours side by side, bf16, full CUDA graphs (tools/gpu/perf)
+            rm -rf /tmp/perf-out
+            python3 tools/gpu/perf/driver.py --out /tmp/perf-out --rounds "${PERF_ROUNDS:-5}" \
+                --deadline "${PERF_DEADLINE:-420}" ${PERF_FLAGS:-} 2>&1 | grep -v " INFO " \
+                | tee "$OUT/perf.txt" || status=1
+            tar czf "$OUT/perf.tgz" -C /tmp/perf-out .
             ;;
         *) echo "unknown phase $phase"; status=2 ;;
     esac

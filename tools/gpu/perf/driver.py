@@ -1,0 +1,373 @@
+"""Side-by-side R3 throughput on one GPU: R3 off, vLLM's own routed experts and ours.
+
+One worker process per configuration (``worker.py``) holds its engine for the whole run;
+the engines start one after another (vLLM's memory profiling must not see another engine
+allocating), then every round runs each workload on each configuration in a rotated order,
+with the round's own fresh prompts. Ratios are paired by round, so drift between rounds
+cancels. After the timed rounds, ``--profile`` records one more round per configuration with
+py-spy (frontend and engine core, every thread), not counted in the ratios.
+
+    python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
+        [--workloads decode,prefill] [--profile] [--model DIR] [--scale 1.0]
+
+On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
+DeepSeek-V3's R3 shape (58 MoE layers, 256 experts, top-8, hidden 256), bf16, full CUDA
+graphs. On a CPU machine (a smoke test of this script) a tiny model and ``--scale`` apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+TAG = "@@perf "
+
+GPU_ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "enforce_eager": False,
+    "max_model_len": 4096,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "enable_prefix_caching": True,
+    "seed": 0,
+    "gpu_memory_utilization": 0.25,
+    "kv_cache_memory_bytes": 16 * 2**30,
+    "compilation_config": {
+        "mode": 0,
+        "custom_ops": ["none"],
+        "cudagraph_mode": "FULL",
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+    },
+    "attention_backend": "TRITON_ATTN",
+    "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
+    "moe_backend": "triton",
+    "disable_log_stats": False,
+}
+
+
+def perf_model(cache: Path, cpu: bool) -> Path:
+    """The benchmark's model, built once per machine by the product's tiny-model builder."""
+    from vllm_artifact.selftest.tiny_models import TinyModelSpec, build_from_spec, is_complete
+
+    if cpu:
+        spec = TinyModelSpec(
+            name="perf-cpu",
+            num_experts=16,
+            top_k=4,
+            moe_intermediate_size=32,
+            num_layers=4,
+            max_position_embeddings=8192,
+        )
+    else:  # DeepSeek-V3's R3 shape; small hidden size so it loads and runs quickly
+        spec = TinyModelSpec(
+            name="perf-dsv3-shape",
+            num_experts=256,
+            top_k=8,
+            moe_intermediate_size=128,
+            num_layers=58,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            max_position_embeddings=8192,
+        )
+    target = cache / f"{spec.name}-{spec.digest()}"
+    if not is_complete(target):
+        started = time.monotonic()
+        build_from_spec(spec, target)
+        print(f"model built in {time.monotonic() - started:.0f} s: {target}", flush=True)
+    return target
+
+
+class Engine:
+    """A worker process and its answers."""
+
+    def __init__(
+        self,
+        config: str,
+        model: Path,
+        root: Path,
+        args: dict[str, Any],
+        log: Path,
+        plugins_without_ours: str,
+    ):
+        env = dict(os.environ)
+        if config != "ours":  # our plugin stays out of off and native
+            env["VLLM_PLUGINS"] = plugins_without_ours
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # store counters through collective_rpc
+        self.config = config
+        self.log: IO[str] = log.open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "worker.py"),
+                config,
+                str(model),
+                str(root),
+                json.dumps(args),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        self.answers: list[dict[str, Any]] = []
+        self.ready = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout or ():
+            if line.startswith(TAG):
+                with self.ready:
+                    self.answers.append(json.loads(line[len(TAG) :]))
+                    self.ready.notify_all()
+            else:
+                self.log.write(line)
+                self.log.flush()
+        with self.ready:
+            self.answers.append({"event": "error", "error": f"worker exited ({self.proc.wait()})"})
+            self.ready.notify_all()
+
+    def ask(self, timeout: float, **command: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer (or the worker's first, for None)."""
+        with self.ready:
+            seen = len(self.answers)
+            if command and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps(command) + "\n")
+                self.proc.stdin.flush()
+            if not self.ready.wait_for(lambda: len(self.answers) > seen, timeout=timeout):
+                return {"event": "error", "error": f"no answer in {timeout:.0f} s to {command}"}
+            return self.answers[seen]
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def profile(
+    engine: Engine, ready: dict[str, Any], out: Path, rate: int, **command: Any
+) -> dict[str, Any]:
+    """One round under py-spy (every thread of the frontend and of the engine core)."""
+    pids = {
+        "frontend": ready["pid"],
+        **{f"engine{i}": p for i, p in enumerate(ready["engine_pids"])},
+    }
+    spies = [
+        subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--nonblocking",
+                "--threads",
+                "-r",
+                str(rate),
+                "-f",
+                "raw",
+                "-o",
+                str(out / f"{engine.config}-{command['workload']}-{role}.txt"),
+                "-p",
+                str(pid),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for role, pid in pids.items()
+    ]
+    time.sleep(2)
+    result = engine.ask(600, **command)
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+    for spy in spies:
+        try:
+            spy.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+    return result
+
+
+def paired(results: list[dict[str, Any]], workload: str, a: str, b: str) -> list[float]:
+    """Per round: out tok/s of ``a`` over ``b``."""
+    by = {(r["config"], r["seed"]): r for r in results if r["workload"] == workload}
+    seeds = sorted({s for c, s in by if c == a} & {s for c, s in by if c == b})
+    return [by[(a, s)]["out_tok_s"] / by[(b, s)]["out_tok_s"] for s in seeds]
+
+
+def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[str]) -> str:
+    lines = []
+    for workload in workloads:
+        rows = [r for r in results if r["workload"] == workload]
+        lines.append(f"== {workload}: {len(rows)} timed runs")
+        for config in configs:
+            mine = [r for r in rows if r["config"] == config]
+            if mine:
+                tok = [r["out_tok_s"] for r in mine]
+                lines.append(
+                    f"  {config:<7} out tok/s median {statistics.median(tok):9.1f} "
+                    f"({min(tok):.1f}-{max(tok):.1f}), seconds "
+                    f"{statistics.median(r['seconds'] for r in mine):.3f}, steps "
+                    f"{statistics.median(len(r['steps']) for r in mine):.0f}"
+                )
+        for a, b in (("ours", "off"), ("native", "off"), ("ours", "native")):
+            ratios = paired(results, workload, a, b)
+            if ratios:
+                lines.append(
+                    f"  {a}/{b}: median {statistics.median(ratios):.4f} "
+                    f"(min {min(ratios):.4f}, max {max(ratios):.4f}, n={len(ratios)})"
+                )
+        for seed in sorted({r["seed"] for r in rows}):
+            same = {r["config"]: r for r in rows if r["seed"] == seed}
+            tokens = {r["tokens_digest"] for r in same.values()}
+            r3 = {c: r["r3_digest"] for c, r in same.items() if c != "off"}
+            missing = sum(r["r3_missing"] for r in same.values())
+            same_tokens = "identical" if len(tokens) == 1 else "DIFFER"
+            lines.append(
+                f"  round seed {seed}: tokens {same_tokens}"
+                f" across {sorted(same)}; R3 ours vs native "
+                f"{'identical' if len(set(r3.values())) <= 1 else 'DIFFER'}; "
+                f"missing R3 {missing}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--configs", default="off,native,ours")
+    parser.add_argument("--workloads", default="decode,prefill")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--scale", type=float, default=None, help="workload size factor")
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/perf-models"))
+    parser.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON")
+    parser.add_argument("--profile", action="store_true", help="one py-spy round at the end")
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--deadline", type=float, default=540, help="stop rounds after (s)")
+    args = parser.parse_args()
+    begun = time.monotonic()
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
+    if cpu:
+        from vllm_artifact_testing.engine_env import ENGINE_KWARGS, apply_cpu_engine_env
+
+        apply_cpu_engine_env()
+        engine_args: dict[str, Any] = {
+            **ENGINE_KWARGS,
+            "max_model_len": 4096,
+            "disable_log_stats": False,
+        }
+    else:
+        engine_args = dict(GPU_ENGINE_ARGS)
+    engine_args.update(args.engine_args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model or perf_model(args.cache, cpu)
+    configs = args.configs.split(",")
+    workloads = args.workloads.split(",")
+    # CPU engines need the CPU support plugin in every configuration (docs/cpu.md)
+    plugins_without_ours = "vllm_artifact_cpu_support" if cpu else "not_loaded"
+    engines = {
+        c: Engine(
+            c,
+            model,
+            Path(f"/dev/shm/perf-{c}-{os.getpid()}"),
+            engine_args,
+            args.out / f"log-{c}.txt",
+            plugins_without_ours,
+        )
+        for c in configs
+    }
+    ready: dict[str, dict[str, Any]] = {}
+    results: list[dict[str, Any]] = []
+    try:
+        for config, engine in engines.items():
+            print(f"[{time.monotonic() - begun:5.0f}s] {config}: {engine.ask(300)}", flush=True)
+        for config, engine in engines.items():  # one start at a time
+            ready[config] = engine.ask(600, cmd="start")
+            print(f"[{time.monotonic() - begun:5.0f}s] {config}: {ready[config]}", flush=True)
+            if ready[config]["event"] != "ready":
+                return 1
+            warm = engine.ask(600, cmd="warm", scale=scale)
+            print(f"[{time.monotonic() - begun:5.0f}s] {config}: {warm}", flush=True)
+        for rnd in range(args.rounds):
+            if time.monotonic() - begun > args.deadline:
+                print(f"deadline: stopping after {rnd} rounds", flush=True)
+                break
+            for w, workload in enumerate(workloads):
+                order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
+                for config in order:
+                    res = engines[config].ask(
+                        600, cmd="run", workload=workload, seed=1000 * rnd + w, scale=scale
+                    )
+                    if res["event"] != "result":
+                        print(f"{config}: {res}", flush=True)
+                        return 1
+                    results.append(res)
+                    print(
+                        f"[{time.monotonic() - begun:5.0f}s] round {rnd} {workload} {config}: "
+                        f"{res['seconds']:.3f} s, {res['out_tok_s']:.1f} out tok/s, "
+                        f"{len(res['steps'])} steps",
+                        flush=True,
+                    )
+        if args.profile:
+            for w, workload in enumerate(workloads):
+                for config in configs:
+                    res = profile(
+                        engines[config],
+                        ready[config],
+                        args.out,
+                        args.rate,
+                        cmd="run",
+                        workload=workload,
+                        seed=900_000 + w,
+                        scale=scale,
+                    )
+                    res["profiled"] = True
+                    results.append(res)
+                    print(
+                        f"[{time.monotonic() - begun:5.0f}s] profiled {workload} {config}: "
+                        f"{res.get('seconds', 0):.3f} s",
+                        flush=True,
+                    )
+    finally:
+        for engine in engines.values():
+            engine.close()
+        timed = [r for r in results if not r.get("profiled")]
+        (args.out / "results.json").write_text(
+            json.dumps(
+                {
+                    "engine_args": engine_args,
+                    "model": str(model),
+                    "scale": scale,
+                    "ready": ready,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
+        text = summary(timed, configs, workloads)
+        (args.out / "summary.txt").write_text(text + "\n")
+        print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,13 @@ the top-k is taken here on the logits, as vLLM's CPU and GPU routers do
 (``transformers`` takes it on the softmax, which is the same set except at
 exact ties). Hooks, rather than ``output_router_logits=True``, keep the layer
 index of every logit tensor explicit (that output lists MoE layers only).
+
+Routers with a score correction bias (DeepSeek-V3, GLM-4.5: ``e_score_correction_bias``)
+choose differently: sigmoid scores plus the bias, the best ``topk_group`` of ``n_group``
+groups (a group's score is the sum of its two best), then the top-k within those groups. Their
+top-k is not the top-k of the logits, so the oracle applies that rule from the model's config,
+as vLLM's grouped top-k does, and checks it against the indices the ``transformers`` router
+returns where it returns them.
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ class RouterOracle:
     """Router decisions of the reference forward pass for one token sequence.
 
     ``topk_ids[t, l]`` are layer ``l``'s top-k experts for token ``t``, in
-    descending logit order; dense layers hold ``DENSE_FILL`` (-1).
+    descending logit order (biased score order for a bias-corrected router); dense
+    layers hold ``DENSE_FILL`` (-1).
     ``topk_gap[t, l]`` is the k-th minus the (k+1)-th largest router logit: the
     margin by which the choice is made (small means a near-tie that float noise
     may flip); it is ``+inf`` for dense layers and when ``top_k == num_experts``.
+    For a bias-corrected router it is in biased sigmoid-score units, the smaller of
+    the group choice's margin and the expert choice's (within the chosen groups).
     ``router_logits[t, l]`` are the raw logits (zeros for dense layers).
     """
 
@@ -103,9 +113,11 @@ def _router_of(layer: Any) -> Any | None:
 
 def _capture_router_logits(
     model: Any, layers: Sequence[Any], ids: list[int]
-) -> dict[int, torch.Tensor]:
-    """One no-grad forward pass; returns {layer index: router logits [T, E]} for MoE layers."""
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """One no-grad forward pass; returns {layer index: router logits [T, E]} for MoE layers,
+    and {layer index: the indices [T, k] the router returned} where it returns them."""
     captured: dict[int, torch.Tensor] = {}
+    returned: dict[int, torch.Tensor] = {}
     handles = []
     for idx, layer in enumerate(layers):
         router = _router_of(layer)
@@ -115,6 +127,8 @@ def _capture_router_logits(
         def hook(_mod: Any, _inp: Any, out: Any, idx: int = idx) -> None:
             logits = out[0] if isinstance(out, tuple) else out
             captured[idx] = logits.detach().reshape(-1, logits.shape[-1]).to(torch.float32)
+            if isinstance(out, tuple) and len(out) == 3:
+                returned[idx] = out[2].detach().reshape(logits.shape[0], -1)
 
         handles.append(router.register_forward_hook(hook))
     try:
@@ -123,7 +137,48 @@ def _capture_router_logits(
     finally:
         for handle in handles:
             handle.remove()
-    return captured
+    return captured, returned
+
+
+def _logit_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Top-k of the logits (softmax routers) and the k-th minus (k+1)-th logit."""
+    kk = min(top_k + 1, logits.shape[-1])
+    values, indices = torch.topk(logits, kk, dim=-1, sorted=True)
+    gap = values[:, top_k - 1] - values[:, top_k] if kk > top_k else None
+    return indices[:, :top_k], gap
+
+
+def _biased_grouped_topk(
+    logits: torch.Tensor, bias: torch.Tensor, config: Any, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 / GLM-4.5 choice (module docstring) and its margin: the smaller of
+    the ``topk_group``-th minus next group score and the k-th minus next expert score."""
+    scoring = getattr(config, "scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ValueError(f"bias-corrected router with scoring_func={scoring!r}: not supported")
+    n_group, topk_group = int(config.n_group), int(config.topk_group)
+    num_tokens, num_experts = logits.shape
+    scores = logits.sigmoid() + bias.to(torch.float32)
+    group_scores = scores.view(num_tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_values, group_idx = torch.topk(group_scores, n_group, dim=-1, sorted=True)
+    inf = torch.full((num_tokens,), float("inf"))
+    group_gap = (
+        group_values[:, topk_group - 1] - group_values[:, topk_group]
+        if topk_group < n_group
+        else inf
+    )
+    mask = torch.zeros_like(group_scores, dtype=torch.bool)
+    mask.scatter_(1, group_idx[:, :topk_group], True)
+    allowed = mask.repeat_interleave(num_experts // n_group, dim=1)
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    kk = min(top_k + 1, num_experts)
+    values, indices = torch.topk(masked, kk, dim=-1, sorted=True)
+    expert_gap = inf
+    if kk > top_k:
+        expert_gap = torch.where(
+            torch.isinf(values[:, top_k]), inf, values[:, top_k - 1] - values[:, top_k]
+        )
+    return indices[:, :top_k], torch.minimum(group_gap, expert_gap)
 
 
 def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOracle:
@@ -133,13 +188,13 @@ def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOra
         raise ValueError("token_ids is empty")
     model = load_hf_model(model_dir)
     config = model.config
-    num_experts = int(config.num_experts)
+    num_experts = int(getattr(config, "num_experts", None) or config.n_routed_experts)
     top_k = int(config.num_experts_per_tok)
     layers = _decoder_layers(model)
     num_layers, num_tokens = len(layers), len(ids)
 
     with _FORWARD_LOCK:
-        captured = _capture_router_logits(model, layers, ids)
+        captured, returned = _capture_router_logits(model, layers, ids)
     if not captured:
         raise RuntimeError(f"no router logits captured from {type(model).__name__}: no mlp.gate?")
 
@@ -152,11 +207,21 @@ def hf_router_topk(model_dir: str | Path, token_ids: Sequence[int]) -> RouterOra
             raise RuntimeError(f"layer {idx}: router logits {tuple(logits.shape)} unexpected")
         moe_layers[idx] = True
         router_logits[:, idx] = logits.numpy()
-        kk = min(top_k + 1, num_experts)
-        values, indices = torch.topk(logits, kk, dim=-1, sorted=True)
-        topk_ids[:, idx] = indices[:, :top_k].numpy()
-        if kk > top_k:
-            topk_gap[:, idx] = (values[:, top_k - 1] - values[:, top_k]).numpy()
+        bias = getattr(_router_of(layers[idx]), "e_score_correction_bias", None)
+        if bias is None:
+            indices, gap = _logit_topk(logits, top_k)
+        else:
+            indices, gap = _biased_grouped_topk(logits, bias, config, top_k)
+            if idx in returned and not torch.equal(
+                indices.sort(dim=-1).values, returned[idx].sort(dim=-1).values.to(indices.dtype)
+            ):
+                raise RuntimeError(
+                    f"layer {idx}: the grouped top-k rule disagrees with the indices "
+                    f"{type(_router_of(layers[idx])).__name__} returned; update the oracle"
+                )
+        topk_ids[:, idx] = indices.numpy()
+        if gap is not None:
+            topk_gap[:, idx] = gap.numpy()
     return RouterOracle(
         token_ids=tuple(ids),
         topk_ids=topk_ids,

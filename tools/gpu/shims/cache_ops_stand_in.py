@@ -18,6 +18,7 @@ install with vLLM's compiled extensions) nothing is registered.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -31,12 +32,31 @@ _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified addres
 _memcpy_async: Any = None
 
 
+def _cudart() -> Any:
+    """The libcudart torch loaded (vLLM's wrapper finds it in /proc/self/maps); failing that,
+    the first one found beside torch or in the nvidia wheels, as _C_stable_libtorch.py does."""
+    from vllm.distributed.device_communicators.cuda_wrapper import CudaRTLibrary
+
+    try:
+        return CudaRTLibrary().lib
+    except (AssertionError, AttributeError, OSError):
+        import glob
+        import site
+
+        folders = [os.path.join(os.path.dirname(torch.__file__), "lib")]
+        for path in site.getsitepackages() + sys.path:
+            folders += glob.glob(os.path.join(path, "nvidia", "*", "lib"))
+        for folder in folders:
+            for candidate in sorted(glob.glob(os.path.join(folder, "libcudart.so*"))):
+                with contextlib.suppress(OSError):
+                    return ctypes.CDLL(candidate)
+        raise
+
+
 def _memcpy() -> Any:
     global _memcpy_async
     if _memcpy_async is None:
-        from vllm.distributed.device_communicators.cuda_wrapper import CudaRTLibrary
-
-        function = CudaRTLibrary().lib.cudaMemcpyAsync
+        function = _cudart().cudaMemcpyAsync
         function.restype = ctypes.c_int
         function.argtypes = [
             ctypes.c_void_p,

@@ -55,7 +55,8 @@ class Verdict:
     ) -> Verdict:
         result = CaseResult.of(name, agreements, *problems)
         status = "PASS" if result.status == "PASS" else "FAIL"
-        return cls(status, result.rows, result.equal, result.detail, evidence)
+        found = [*problems, *([result.detail] if result.detail not in problems else [])]
+        return cls(status, result.rows, result.equal, "; ".join(p for p in found if p), evidence)
 
 
 @dataclass
@@ -256,7 +257,7 @@ def cell_bf16(context: Context) -> Verdict:
         "fp32 oracle agreement (information)": {k: summed(v) for k, v in info.items()},
     }
     status = "PASS" if not problems else "FAIL"
-    return Verdict(status, rows, equal, problems[0] if problems else "", evidence)
+    return Verdict(status, rows, equal, "; ".join(problems), evidence)
 
 
 def summed(agreements: list[Agreement]) -> str:

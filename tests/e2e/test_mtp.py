@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats, vllm_counters
-from vllm_artifact_testing.mtp_model import MTP_NEW_TOKENS, MTP_PROMPTS, ensure_mtp_model
+from vllm_artifact_testing.mtp_model import (
+    MTP_NEW_TOKENS,
+    MTP_PROMPTS,
+    bound_routers,
+    ensure_mtp_model,
+)
 
 from vllm_artifact.client import decode_r3, read_r3_keys
 
@@ -28,23 +33,6 @@ COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_
 @pytest.fixture(scope="module")
 def mtp_model() -> Path:
     return ensure_mtp_model()
-
-
-def bound_routers(worker: Any) -> dict[str, list[bool]]:
-    """For the target and the draft model: whether each MoE layer's router has a capture
-    callback (runs in the worker, through ``collective_rpc``)."""
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
-    runner = worker.model_runner
-    models = {"target": runner.model, "draft": runner.speculator.model}
-    return {
-        name: [
-            module.router.capture_fn is not None
-            for module in model.modules()
-            if isinstance(module, MoERunner)
-        ]
-        for name, model in models.items()
-    }
 
 
 def test_mtp_speculative_decoding_matches_oracle(
@@ -61,8 +49,11 @@ def test_mtp_speculative_decoding_matches_oracle(
         return type(worker.model_runner.speculator).__name__
 
     assert llm.collective_rpc(speculator) == ["MTPSpeculator"]
-    # Three MoE layers of the target bound, the MTP layer's one MoE layer not.
-    assert llm.collective_rpc(bound_routers) == [{"target": [True, True, True], "draft": [False]}]
+    # Three MoE layers of the target bound, the MTP layer's one MoE layer not (were it bound,
+    # its layer id, 4, would be outside the capture buffer).
+    assert llm.collective_rpc(bound_routers) == [
+        {"target": ["CPURouter+capture"] * 3, "draft": ["CPURouter"]}
+    ]
 
     greedy = SamplingParams(max_tokens=MTP_NEW_TOKENS, temperature=0, ignore_eos=True)
     before = vllm_counters(llm, *COUNTERS)

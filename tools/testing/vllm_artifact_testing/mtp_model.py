@@ -42,7 +42,6 @@ from vllm_artifact.selftest.tiny_models import (
     write_tokenizer_files,
 )
 from vllm_artifact.selftest.tokenizer import ENDOFTEXT, IM_END
-from vllm_artifact_testing.eagle_draft import greedy_bigrams
 
 BUILDER_VERSION = "1"
 
@@ -207,6 +206,33 @@ def target_weights(spec: MtpModelSpec) -> dict[str, torch.Tensor]:
     return _random_weights(spec, shapes, torch.Generator().manual_seed(spec.seed))
 
 
+def greedy_bigrams(model_dir: Path, prompts: Sequence[str], new_tokens: int) -> dict[int, int]:
+    """token -> the token the target greedily generates after it (first occurrence wins).
+
+    ``generate`` with its KV cache: recomputing the whole sequence per token, as
+    ``eagle_draft.greedy_bigrams`` does, took a minute here for this model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    following: dict[int, int] = {}
+    for prompt in prompts:
+        ids = list(tokenizer(prompt)["input_ids"])
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+            )
+        tokens = [int(t) for t in out[0]]
+        for a, b in zip(tokens[len(ids) - 1 : -1], tokens[len(ids) :], strict=True):
+            following.setdefault(a, b)
+    return following
+
+
 def mtp_weights(
     spec: MtpModelSpec, target: dict[str, torch.Tensor], bigrams: dict[int, int]
 ) -> dict[str, torch.Tensor]:
@@ -267,6 +293,24 @@ def ensure_mtp_model(cache_dir: Path | None = None, spec: MtpModelSpec = SPEC) -
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / f"{spec.name}-b{BUILDER_VERSION}-{spec.digest()}"
     return install_atomically(target, lambda tmp: build_mtp_model(tmp, spec))
+
+
+def bound_routers(worker: Any) -> dict[str, list[str]]:
+    """Per MoE layer of the target and of the draft model: its router's class, with ``+capture``
+    when it has a capture callback (runs in a worker, through ``collective_rpc``)."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    runner = worker.model_runner
+    models = {"target": runner.model, "draft": runner.speculator.model}
+    return {
+        name: [
+            type(module.router).__name__
+            + ("+capture" if getattr(module.router, "capture_fn", None) else "")
+            for module in model.modules()
+            if isinstance(module, MoERunner)
+        ]
+        for name, model in models.items()
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

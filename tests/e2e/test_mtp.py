@@ -66,8 +66,13 @@ def test_mtp_speculative_decoding_matches_oracle(
         assert_matches_oracle(mtp_model, output)
         assert decode_r3(output.outputs[0]).dense_layers == (0,)
 
+    # Drafts verified past max_tokens (dropped by vLLM) do not keep any completion's terminal
+    # partial block out of the store.
+    stats = connector_stats(llm)
+    assert stats["tails"] == len(MTP_PROMPTS), stats
+
     # A prefix hit: the prompt's rows come from the store, the rest are speculated again.
-    reads = connector_stats(llm)["reads"]
+    reads = stats["reads"]
     again = llm.generate([MTP_PROMPTS[0]], greedy)[0]
     assert again.num_cached_tokens >= 32
     assert connector_stats(llm)["reads"] > reads, "prefix R3 must come from the store"

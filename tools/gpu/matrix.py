@@ -62,6 +62,8 @@ def run_cell(name: str, cell: Callable[[Context], Any], context: Context) -> Out
         outcome.evidence = verdict.evidence
     except Exception as error:  # a bug in the cell itself: a FAIL with its reason
         outcome = Outcome(name, "FAIL", detail=f"{type(error).__name__}: {error}")
+    finally:
+        context.cleanup()
     outcome.started, outcome.seconds = started, round(time.monotonic() - began, 1)
     print(f"[{stamp()}] {line(outcome)}", flush=True)
     for key, value in outcome.evidence.items():

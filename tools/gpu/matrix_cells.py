@@ -66,6 +66,7 @@ class Context:
     engine_args: dict[str, Any]
     timeout: float
     cuda: bool
+    roots: list[Path] = field(default_factory=list)
 
     @classmethod
     def prepare(
@@ -93,7 +94,14 @@ class Context:
 
     def root(self, name: str) -> Path:
         path = Path(tempfile.mkdtemp(prefix=f"vllm-artifact-matrix-{name}-", dir="/dev/shm"))
+        self.roots.append(path)
         return path
+
+    def cleanup(self) -> None:
+        """Remove the cell's store roots from /dev/shm."""
+        for path in self.roots:
+            shutil.rmtree(path, ignore_errors=True)
+        self.roots.clear()
 
     def engine(
         self,

@@ -94,23 +94,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     context = Context.prepare(args.out, args.engine_args, args.cache_dir, args.job_timeout)
     print(f"[{stamp()}] model {context.model}, engine args {json.dumps(args.engine_args)}")
-    outcomes = [run_cell(name, CELLS[name], context) for name in cells]
-
     from vllm_artifact.selftest.runner import versions
 
     found = versions()
+    outcomes = []
+    for name in cells:  # matrix.json after each cell: a run cut short keeps what it found
+        outcomes.append(run_cell(name, CELLS[name], context))
+        write_report(args.out, found, args.engine_args, outcomes)
     print(f"\nvLLM {found.vllm}, torch {found.torch}, {found.device}, {found.driver}")
     for outcome in outcomes:
         print(line(outcome).splitlines()[0])
     failed = [o.cell for o in outcomes if o.status == "FAIL"]
     print("FAIL: " + ", ".join(failed) if failed else "PASS: every cell that ran")
+    return 1 if failed else 0
+
+
+def write_report(out: Path, found: Any, engine_args: dict[str, Any], outcomes: list[Any]) -> None:
     report = {
         "versions": asdict(found),
-        "engine_args": args.engine_args,
+        "engine_args": engine_args,
         "cells": [asdict(o) for o in outcomes],
     }
-    (args.out / "matrix.json").write_text(json.dumps(report, indent=2, default=_json) + "\n")
-    return 1 if failed else 0
+    (out / "matrix.json").write_text(json.dumps(report, indent=2, default=_json) + "\n")
 
 
 def _json(value: Any) -> Any:

@@ -92,6 +92,14 @@ for phase in "$@"; do
                 | tee "$OUT/perf.txt" || status=1
             tar czf "$OUT/perf.tgz" -C /tmp/perf-out .
             ;;
+        matrix)  # bf16 vs vLLM's own, EAGLE, native CPU KV offload, restart (tools/gpu/matrix.py)
+            python3 tools/gpu/matrix.py --engine-args "$ENGINE_ARGS" --out "$OUT/matrix" \
+                ${MATRIX_FLAGS:-} 2>&1 | tee "$OUT/matrix.log" | grep -v " INFO " || status=1
+            ;;
+        mtp)  # MTP speculative decoding on the tiny GLM-4.5-style model (tools/gpu/mtp_check.py)
+            python3 tools/gpu/mtp_check.py --engine-args "$ENGINE_ARGS" --json "$OUT/mtp.json" \
+                2>&1 | tee "$OUT/mtp.log" | grep -v " INFO " || status=1
+            ;;
         *) echo "unknown phase $phase"; status=2 ;;
     esac
 done

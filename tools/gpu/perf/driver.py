@@ -144,7 +144,7 @@ class Engine:
     def ask(self, timeout: float, **command: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (or the worker's first, for None)."""
         with self.ready:
-            seen = len(self.answers)
+            seen = len(self.answers) if command else 0  # the first answer may be in already
             if command and self.proc.stdin is not None:
                 self.proc.stdin.write(json.dumps(command) + "\n")
                 self.proc.stdin.flush()

@@ -50,18 +50,26 @@ def workload_prompts(name: str, seed: int, scale: float) -> tuple[list[list[int]
     raise ValueError(f"unknown workload {name!r}")
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, keyed ``name:tid``."""
+def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, keyed ``name:tid`` (Python's
+    thread name where known, else the kernel's)."""
     import psutil
 
     out: dict[str, float] = {}
     with contextlib.suppress(psutil.Error):
         for thread in psutil.Process(pid).threads():
-            name = "?"
-            with contextlib.suppress(OSError):
-                name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
+            name = names.get(thread.id, "?")
+            if name == "?":
+                with contextlib.suppress(OSError):
+                    name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
             out[f"{name}:{thread.id}"] = thread.user_time + thread.system_time
     return out
+
+
+def python_thread_names() -> dict[int, str]:
+    import threading
+
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
 def counters(llm: Any) -> dict[str, float]:
@@ -126,7 +134,11 @@ class Worker:
         startup = time.perf_counter() - started
         with contextlib.suppress(Exception):
             manager = self.llm.llm_engine.engine_core.resources.engine_manager
-            self.engine_pids = [p.pid for p in manager.processes]
+            import psutil
+
+            cores = [psutil.Process(p.pid) for p in manager.processes]
+            # the engine cores and their workers (one process with the core on a single GPU)
+            self.engine_pids = [p.pid for c in cores for p in [c, *c.children(recursive=True)]]
         plugins = sorted(m for m in sys.modules if m.startswith("vllm_artifact"))
         engine = self.llm.llm_engine
         original_step = engine.step
@@ -167,12 +179,16 @@ class Worker:
         before_store = store_counts(self.llm) if self.config == "ours" else {}
         before = counters(self.llm)
         pids = [os.getpid(), *self.engine_pids]
-        cpu0 = {pid: thread_cpu(pid) for pid in pids}
+        names = python_thread_names()
+        with contextlib.suppress(Exception):  # the engine core's threads (same process as
+            for found in self.llm.collective_rpc(lambda _: python_thread_names()):  # its worker)
+                names.update({int(k): v for k, v in found.items()})
+        cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
         self.steps = []
         started = time.perf_counter()
         outputs = self.generate(prompts, max_tokens)
         seconds = time.perf_counter() - started
-        cpu1 = {pid: thread_cpu(pid) for pid in pids}
+        cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
         after = counters(self.llm)
         after_store = store_counts(self.llm) if self.config == "ours" else {}
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -231,6 +247,8 @@ class Worker:
 def main() -> None:
     config, model, root = sys.argv[1], sys.argv[2], sys.argv[3]
     engine_args = json.loads(sys.argv[4])
+    # collective_rpc of a local function (the workers' Python thread names) needs pickle
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     worker = Worker(config, model, root, engine_args)
     import vllm  # noqa: F401  (imported before "start", so the workers' imports overlap)
 

@@ -1,0 +1,187 @@
+"""Where ours spends its time against R3 off: the per-step trace, thread CPU and py-spy
+profiles of one ``driver.py`` run (its ``--out`` folder, or the ``perf.tgz`` run.sh packs).
+
+    python tools/gpu/perf/analyze.py DIR_OR_TGZ [--against off] [--frames 25]
+
+Per workload and configuration (medians over the timed rounds): wall seconds split into
+the engine steps the frontend saw (long steps, those above 1.5x the run's median step, are
+the prefill-carrying ones; the rest decode) and the time after the last step; then CPU
+seconds per thread of the frontend and engine core; then, from the py-spy round, each
+thread's busy samples and the inclusive frames whose share differs most from ``--against``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Frames a thread sits in while it has nothing to do (ZMQ and queue waits, GPU syncs).
+IDLE = (
+    "poll",
+    "recv",
+    "_recv",
+    "wait (threading.py)",
+    "get (queue.py)",
+    "select",
+    "sleep",
+    "synchronize",
+    "_wait_for",
+    "acquire",
+)
+
+
+def phases(run: dict[str, Any]) -> dict[str, float]:
+    """Wall seconds of one run split by the frontend's step trace."""
+    times = [t for t, _ in run["steps"]]
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    if not gaps:
+        return {"total": run["seconds"]}
+    median = statistics.median(gaps)
+    long = [g for g in gaps if g > 1.5 * median]
+    return {
+        "total": run["seconds"],
+        "steps": len(gaps),
+        "long_steps": len(long),
+        "long_s": sum(long),
+        "short_s": sum(g for g in gaps if g <= 1.5 * median),
+        "median_step_ms": 1000 * median,
+        "last_step_ms": 1000 * gaps[-1],
+        "after_last_ms": 1000 * (run["seconds"] - times[-1]),
+    }
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float:
+    values = [p[key] for p in runs if key in p]
+    return statistics.median(values) if values else float("nan")
+
+
+def thread_key(name: str) -> str:
+    return re.sub(r":\d+$", "", name)
+
+
+def thread_cpu(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over runs of CPU seconds per (role, thread name), threads of one name summed."""
+    per_run = []
+    for run in runs:
+        sums: collections.Counter[str] = collections.Counter()
+        for role, threads in run["threads_cpu_s"].items():
+            for name, seconds in threads.items():
+                sums[f"{role}/{thread_key(name)}"] += seconds
+        per_run.append(sums)
+    keys = {k for s in per_run for k in s}
+    return {k: statistics.median(s.get(k, 0.0) for s in per_run) for k in keys}
+
+
+def load_profile(path: Path) -> list[tuple[str, list[str], int]]:
+    stacks = []
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            thread, *frames = stack.split(";")
+            stacks.append((thread, [re.sub(r":\d+\)$", ")", f) for f in frames], int(count)))
+    return stacks
+
+
+def profile_summary(path: Path) -> tuple[dict[str, list[int]], collections.Counter[str]]:
+    """Per thread [idle, busy] samples; busy samples per inclusive frame (thread-qualified)."""
+    threads: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    frames: collections.Counter[str] = collections.Counter()
+    for thread, stack, n in load_profile(path):
+        name = re.sub(r"\(?0x[0-9a-f]+\)?|\d+", "N", thread)
+        idle = any(word in frame for frame in stack[-2:] for word in IDLE)
+        threads[name][0 if idle else 1] += n
+        if not idle:
+            for frame in set(stack):
+                frames[f"{name[:30]}: {frame}"] += n
+    return threads, frames
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--against", default="off")
+    parser.add_argument("--frames", type=int, default=25)
+    parser.add_argument("--rate", type=int, default=250)
+    args = parser.parse_args()
+    folder = args.path
+    if folder.suffix == ".tgz":
+        folder = Path(tempfile.mkdtemp())
+        with tarfile.open(args.path) as tar:
+            tar.extractall(folder, filter="data")
+    data = json.loads((folder / "results.json").read_text())
+    timed = [r for r in data["results"] if not r.get("profiled")]
+    if not timed:
+        print("no timed rounds: the profiled round's figures (slowed by py-spy) follow")
+        timed = data["results"]
+    workloads = sorted({r["workload"] for r in timed})
+    configs = sorted({r["config"] for r in timed})
+    for workload in workloads:
+        print(f"== {workload}: wall time split by the frontend's step trace (medians, s/ms)")
+        for config in configs:
+            runs = [phases(r) for r in timed if r["workload"] == workload and r["config"] == config]
+            print(
+                f"  {config:<7} total {median_of(runs, 'total'):.3f} s = long steps "
+                f"{median_of(runs, 'long_steps'):.0f} x -> {median_of(runs, 'long_s'):.3f} s + "
+                f"short {median_of(runs, 'short_s'):.3f} s (median step "
+                f"{median_of(runs, 'median_step_ms'):.2f} ms); last step "
+                f"{median_of(runs, 'last_step_ms'):.1f} ms, after it "
+                f"{median_of(runs, 'after_last_ms'):.1f} ms"
+            )
+        print("  CPU seconds per thread (median over rounds; threads above 0.05 s)")
+        cpu = {
+            c: thread_cpu([r for r in timed if r["workload"] == workload and r["config"] == c])
+            for c in configs
+        }
+        for key in sorted({k for c in cpu.values() for k in c}):
+            cells = "  ".join(f"{c} {cpu[c].get(key, 0.0):6.3f}" for c in configs)
+            if max(cpu[c].get(key, 0.0) for c in configs) > 0.05:
+                print(f"    {key[:44]:<44} {cells}")
+        for config in configs:
+            store = [
+                r["store"]
+                for r in timed
+                if r["workload"] == workload and r["config"] == config and r.get("store")
+            ]
+            if store:
+                run = next(r for r in timed if r["workload"] == workload and r["config"] == config)
+                print(
+                    f"  {config} store per round: {store[0]} for {run['out_tokens']} output, "
+                    f"{run['prompt_tokens']} prompt tokens"
+                )
+        profiles = {c: folder / f"{c}-{workload}-engine0.txt" for c in configs}
+        fronts = {c: folder / f"{c}-{workload}-frontend.txt" for c in configs}
+        for role, files in (("engine core", profiles), ("frontend", fronts)):
+            summaries = {c: profile_summary(p) for c, p in files.items() if p.exists()}
+            if not summaries:
+                continue
+            print(f"  py-spy {role}: busy / idle seconds per thread")
+            for c, (threads, _) in summaries.items():
+                for name, (idle, busy) in sorted(threads.items(), key=lambda x: -x[1][1])[:6]:
+                    print(
+                        f"    {c:<7} {name[:60]:<60} busy {busy / args.rate:6.2f} "
+                        f"idle {idle / args.rate:6.2f}"
+                    )
+            if args.against in summaries:
+                base = summaries[args.against][1]
+                for c, (_, frames) in summaries.items():
+                    if c == args.against:
+                        continue
+                    print(f"  py-spy {role}: busy frames, {c} minus {args.against} (s)")
+                    keys = set(frames) | set(base)
+                    top = sorted(keys, key=lambda k: -abs(frames.get(k, 0) - base.get(k, 0)))
+                    for k in top[: args.frames]:
+                        print(
+                            f"    {(frames.get(k, 0) - base.get(k, 0)) / args.rate:+7.3f} "
+                            f"({frames.get(k, 0) / args.rate:6.3f})  {k[:150]}"
+                        )
+
+
+if __name__ == "__main__":
+    main()

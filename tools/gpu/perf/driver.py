@@ -238,11 +238,15 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
             r3 = {c: r["r3_digest"] for c, r in same.items() if c != "off"}
             missing = sum(r["r3_missing"] for r in same.values())
             same_tokens = "identical" if len(tokens) == 1 else "DIFFER"
+            verdict = "identical" if len(set(r3.values())) <= 1 else "DIFFER"
+            if verdict == "DIFFER" and "ours" in same and "native" in same:
+                ours = same["ours"].get("r3_request_digests", [])
+                native = same["native"].get("r3_request_digests", [])
+                differ = sum(a != b for a, b in zip(ours, native, strict=False))
+                verdict += f" in {differ} of {len(ours)} requests"
             lines.append(
                 f"  round seed {seed}: tokens {same_tokens}"
-                f" across {sorted(same)}; R3 ours vs native "
-                f"{'identical' if len(set(r3.values())) <= 1 else 'DIFFER'}; "
-                f"missing R3 {missing}"
+                f" across {sorted(same)}; R3 ours vs native {verdict}; missing R3 {missing}"
             )
     return "\n".join(lines)
 

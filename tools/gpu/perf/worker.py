@@ -196,6 +196,7 @@ class Worker:
         tokens = hashlib.blake2b(digest_size=8)
         r3 = hashlib.blake2b(digest_size=8)
         r3_bytes, missing = 0, 0
+        per_request: list[str] = []  # so a difference between engines is counted, not only seen
         for o in outputs:
             tokens.update(np.asarray(o.outputs[0].token_ids, dtype=np.int64).tobytes())
             experts = o.outputs[0].routed_experts
@@ -206,6 +207,8 @@ class Worker:
                 r3_bytes += experts.nbytes
                 r3.update(str(experts.shape).encode())
                 r3.update(np.ascontiguousarray(experts).tobytes())
+                one = hashlib.blake2b(np.ascontiguousarray(experts).tobytes(), digest_size=6)
+                per_request.append(one.hexdigest())
         threads = {
             "frontend" if pid == os.getpid() else f"engine{i}": {
                 name: round(cpu1[pid].get(name, 0.0) - cpu0[pid].get(name, 0.0), 4)
@@ -225,6 +228,7 @@ class Worker:
             "out_tok_s": out_tokens / seconds,
             "tokens_digest": tokens.hexdigest(),
             "r3_digest": r3.hexdigest(),
+            "r3_request_digests": per_request,
             "r3_bytes": r3_bytes,
             "r3_missing": missing,
             "steps": [[round(t - started, 5), n] for t, n in self.steps],

@@ -146,6 +146,32 @@ for _q in (
 ):
     _define(f"{_q}(int cuda_device_capability) -> bool", lambda cap: False)
 
+
+# Import-only: vllm.compilation's fusion passes (imported when EAGLE/MTP load their draft model)
+# read these ops' .default at module level. With custom_ops ["none"] and compilation mode 0 no
+# pass runs and no layer calls them; if one ever does, it fails loudly. Ops vLLM probes with
+# hasattr (scaled_fp4_quant, per_token_group_fp8_quant, ...) stay undefined on purpose.
+def _import_only(name):
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"tools/gpu stand-in: torch.ops._C.{name} is defined for imports only")
+
+    return fail
+
+
+for _op in (
+    "rotary_embedding",
+    "fused_qk_norm_rope",
+    "static_scaled_fp8_quant",
+    "dynamic_scaled_fp8_quant",
+    "dynamic_per_token_scaled_fp8_quant",
+    "rms_norm_static_fp8_quant",
+    "fused_add_rms_norm_static_fp8_quant",
+    "rms_norm_dynamic_per_token_quant",
+    "silu_and_mul_quant",
+    "silu_and_mul_per_block_quant",
+):
+    _define(f"{_op}(Tensor input) -> ()", _import_only(_op))
+
 print(
     f"[gpuprobe-shim] vllm._C_stable_libtorch shim loaded: torch.ops._C.{SHIMMED}",
     file=sys.stderr,

@@ -67,13 +67,14 @@ for phase in "$@"; do
             ;;
         serve)  # vllm serve on loopback, the openai client, the oracle (tools/gpu/serve_check.py)
             MODEL=$(python3 -c 'from vllm_artifact.selftest.tiny_models import ensure_tiny_model as m; print(m("qwen3-moe-16x4-dense0"))')
-            CC=$(python3 -c 'import json, sys; print(json.dumps(json.loads(sys.argv[1])["compilation_config"]))' "$ENGINE_ARGS")
+            # not $CC: the machine exports CC, the C compiler Triton builds its launchers with
+            COMPILATION=$(python3 -c 'import json, sys; print(json.dumps(json.loads(sys.argv[1])["compilation_config"]))' "$ENGINE_ARGS")
             TRITON_F32_DEFAULT=ieee python3 -m vllm.entrypoints.cli.main serve "$MODEL" \
                 --host 127.0.0.1 --port 8321 --enable-routed-experts --dtype float32 \
                 --enable-prompt-tokens-details --max-model-len 1024 \
                 --attention-backend TRITON_ATTN --moe-backend triton \
                 --ir-op-priority '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}' \
-                -cc "$CC" --kv-cache-memory-bytes 268435456 > "$OUT/serve.log" 2>&1 &
+                -cc "$COMPILATION" --kv-cache-memory-bytes 268435456 > "$OUT/serve.log" 2>&1 &
             SERVER=$!
             for _ in $(seq 300); do
                 python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8321/health")' \

@@ -88,6 +88,7 @@ for phase in "$@"; do
             ;;
         perf)  # off / vLLM's own / ours side by side, bf16, full CUDA graphs (tools/gpu/perf)
             rm -rf /tmp/perf-out
+            python3 tools/gpu/perf/floor.py | tee "$OUT/perf-floor.txt"
             python3 tools/gpu/perf/driver.py --out /tmp/perf-out --rounds "${PERF_ROUNDS:-5}" \
                 --deadline "${PERF_DEADLINE:-420}" ${PERF_FLAGS:-} 2>&1 | grep -v " INFO " \
                 | tee "$OUT/perf.txt" || status=1

@@ -103,10 +103,14 @@ class ObjectStore(ABC):
         Same semantics as :meth:`put` of all their blocks; backends override it with a
         faster path.
         """
-        bs = self.layout.block_size
+        block_size = self.layout.block_size
         self.put(
             [
-                PutItem(key, rows[i * bs : (i + 1) * bs], token_start + i * bs)
+                PutItem(
+                    key,
+                    rows[i * block_size : (i + 1) * block_size],
+                    token_start + i * block_size,
+                )
                 for keys, rows, token_start in runs
                 for i, key in enumerate(keys)
             ],

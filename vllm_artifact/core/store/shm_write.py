@@ -180,6 +180,12 @@ class BatchBuilder:
             counts: list[int] = []
             for keys, whole, token_start, n_rows in self._parts:
                 n_blocks = len(keys)
+                if n_blocks == 1:  # one object (put): its bytes as they are
+                    all_keys.append(keys[0])
+                    srcs.append(whole)
+                    starts.append(token_start)
+                    counts.append(n_rows)
+                    continue
                 all_keys.extend(keys)
                 srcs.extend(whole[at : at + step] for at in range(0, n_blocks * step, step))
                 starts.extend(range(token_start, token_start + n_blocks * block_size, block_size))

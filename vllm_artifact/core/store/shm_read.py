@@ -143,16 +143,16 @@ class StoreReads:
             # or a damaged entry.
             all_words = arena.words
             several = np.flatnonzero(np.bincount(owners, minlength=n_keys) > 1)
-            for i in several[~key_matches[several]].tolist():
-                for slot in candidates[owners == i].tolist():
+            for key_at in several[~key_matches[several]].tolist():
+                for slot in candidates[owners == key_at].tolist():
                     if (
                         0 <= slot < n_slots
-                        and int(all_words[slot, 1]) == int(words[i, 0])
-                        and int(all_words[slot, 2]) == int(words[i, 1])
+                        and int(all_words[slot, 1]) == int(words[key_at, 0])
+                        and int(all_words[slot, 2]) == int(words[key_at, 1])
                     ):
-                        slots[i], seq[i] = slot, all_words[slot, 0]
-                        envelopes[i] = all_words[slot]
-                        key_matches[i] = True
+                        slots[key_at], seq[key_at] = slot, all_words[slot, 0]
+                        envelopes[key_at] = all_words[slot]
+                        key_matches[key_at] = True
                         break
         slots[~key_matches] = -1
         stable = key_matches & ((seq & np.uint64(1)) == 0) & (seq > 0) & (envelopes[:, 0] == seq)

@@ -80,13 +80,15 @@ class PutBatch:
 
     def deduplicated(self) -> PutBatch:
         """Drop repeated keys; a repeat with other content is a collision."""
-        first: dict[bytes, int] = {}
+        first_of: dict[bytes, int] = {}
         keep: list[int] = []
-        for i, key in enumerate(self.keys):
-            j = first.setdefault(key, i)
-            if j == i:
-                keep.append(i)
-            elif self.starts[i] != self.starts[j] or bytes(self.src(i)) != bytes(self.src(j)):
+        for at, key in enumerate(self.keys):
+            first = first_of.setdefault(key, at)
+            if first == at:
+                keep.append(at)
+                continue
+            same_content = bytes(self.src(at)) == bytes(self.src(first))
+            if self.starts[at] != self.starts[first] or not same_content:
                 raise KeyCollisionError(
                     f"R3 key {bytes(key).hex()} appears twice in one batch with different "
                     "content; keys must identify content"
@@ -251,20 +253,20 @@ class StoreWrites:
         seeds = self._reads.header_words.seeds(envelopes)  # meaningful where present
         sums = envelopes[:, HeaderWords.CSUM].tolist()
         nbytes = (HeaderWords.n_tokens(envelopes) * self._reads.layout.row_nbytes).tolist()
-        for j, i in enumerate(found_idx.tolist()):
-            offset = int(located.slots[i]) * stride
-            stored = payload[offset : offset + nbytes[j]]
-            if not (present[j] and checksum(stored, seeds[j]) == sums[j]):
-                drop.append(i)  # a corrupt or half-written leftover: replace it
+        for position, item in enumerate(found_idx.tolist()):
+            offset = int(located.slots[item]) * stride
+            stored = payload[offset : offset + nbytes[position]]
+            if not (present[position] and checksum(stored, seeds[position]) == sums[position]):
+                drop.append(item)  # a corrupt or half-written leftover: replace it
                 continue
             # bytes() copies 2 x 7 KiB but compares at memcmp speed (memoryview == is slow)
-            if same_range[j] and bytes(stored) == bytes(batch.src(i)):
+            if same_range[position] and bytes(stored) == bytes(batch.src(item)):
                 continue  # identical republish
-            header = HeaderWords.as_headers(envelopes)[j]
+            header = HeaderWords.as_headers(envelopes)[position]
             raise KeyCollisionError(
-                f"R3 key {batch.keys[i].hex()} is already published with different "
+                f"R3 key {batch.keys[item].hex()} is already published with different "
                 f"content (tokens {int(header['token_start'])}+{int(header['n_tokens'])}, now "
-                f"{int(batch.starts[i])}+{int(batch.n_tokens[i])}). Keys must include "
+                f"{int(batch.starts[item])}+{int(batch.n_tokens[item])}). Keys must include "
                 "everything that changes routing: check the weight version and the model "
                 "namespace; the block hash must be the KV cache's."
             )

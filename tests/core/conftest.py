@@ -100,7 +100,7 @@ def assert_store_consistent(store: ShmStore) -> None:
     stats = store.stats()
     with ShmStore.open_reader(store.root, store.name) as reader:
         assert reader.stats().objects == stats.objects
-    index = store._index.table
+    index = store._reads.index.table
     buckets, ways = np.nonzero(index)
     entries = index[buckets, ways]
     slots = (entries & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1

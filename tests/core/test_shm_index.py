@@ -73,7 +73,7 @@ def test_a_damaged_index_entry_before_the_real_one_is_skipped(
         key = full_block_keys(namespace, [b"damaged-entry"])[0]
         rows = rows_for(layout, 3)
         store.put([(key, rows, 0)])
-        table = store._index.table
+        table = store._reads.index.table
         k0, k1 = (int(w) for w in keys_to_words([key])[0])
         first_bucket = k0 & (len(table) - 1)
         real = np.flatnonzero(table[first_bucket] >> np.uint64(32) == k1 >> 32)
@@ -119,8 +119,8 @@ def test_a_damaged_index_is_healed_by_the_next_publish(
         want = {k: rows_for(layout, i) for i, k in enumerate([*old, *new])}
         store.put([(k, want[k], 0) for k in old[:20]], pin=True)
         store.put([(k, want[k], 0) for k in old[20:]], pin=False)
-        assert store._locate(keys_to_words(old[:1])).slots.tolist() == [0]
-        table = store._index.table
+        assert store._reads.locate(keys_to_words(old[:1])).slots.tolist() == [0]
+        table = store._reads.index.table
         rng = np.random.default_rng(5)
         table[...] = rng.integers(1, 2**64 - 1, size=table.shape, dtype=np.uint64, endpoint=True)
         # Some garbage looks right: an object's own entry in a bucket that is not its key's,

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import vllm_artifact.core.store.shm_write as shm_write
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.store import ShmStore, collect_expired_stores
 from vllm_artifact.errors import KeyCollisionError, ObjectMissingError, WriterConflictError
@@ -110,17 +111,19 @@ def _publish_forever(
     """Publish random batches until killed; with ``die_in_put``, that put's payload
     copy stops half-way and the writer SIGKILLs itself (seqlock odd, payload torn)."""
     if die_in_put is not None:  # this forked child only
-        copy_payloads = ShmStore._write_payloads
+        copy_payloads = shm_write.write_payloads
         puts = itertools.count()
 
-        def tear_then_die(self: ShmStore, batch: Any, new: np.ndarray, slots: np.ndarray) -> None:
+        def tear_then_die(
+            payload: memoryview, stride: int, batch: Any, new: np.ndarray, slots: np.ndarray
+        ) -> None:
             if next(puts) == die_in_put:
                 half = len(new) // 2
-                copy_payloads(self, batch, new[:half], slots[:half])
+                copy_payloads(payload, stride, batch, new[:half], slots[:half])
                 os.kill(os.getpid(), signal.SIGKILL)
-            copy_payloads(self, batch, new, slots)
+            copy_payloads(payload, stride, batch, new, slots)
 
-        ShmStore._write_payloads = tear_then_die  # type: ignore[method-assign]
+        shm_write.write_payloads = tear_then_die
     store = _writer(root, slots_bytes=64 * 1024)  # ~100 slots: constant eviction
     assert store.recovery is not None
     reports.put(store.recovery.dropped_partial)

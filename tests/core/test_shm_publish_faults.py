@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import vllm_artifact.core.store.shm as shm_module
+import vllm_artifact.core.store.shm_write as shm_write
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.envelope import HeaderWords
 from vllm_artifact.core.keys import keys_to_words
@@ -38,8 +38,8 @@ CALLS: dict[str, tuple[Any, str]] = {
     "unindex victims": (HashIndex, "remove"),
     "build envelopes": (HeaderWords, "build"),
     "seeds": (HeaderWords, "seeds_for"),
-    "checksums": (shm_module, "checksum"),
-    "copy payloads": (ShmStore, "_write_payloads"),
+    "checksums": (shm_write, "checksum"),
+    "copy payloads": (shm_write, "write_payloads"),
     "index insert": (HashIndex, "insert"),
     "fill slot table": (SlotTable, "fill"),
     "pin": (SlotTable, "pin"),
@@ -104,7 +104,7 @@ def test_a_fault_at_any_publish_step_leaves_the_store_consistent(
         store.put([(keys[i], rows[i], 0) for i in PINNED], pin=True)
         store.put([(keys[i], rows[i], 0) for i in UNPINNED], pin=False)
         stored = [*PINNED, *UNPINNED]
-        located = store._locate(keys_to_words([keys[i] for i in stored])).slots
+        located = store._reads.locate(keys_to_words([keys[i] for i in stored])).slots
         slot_of = dict(zip(stored, located.tolist(), strict=True))
         reader = ShmStore.open_reader(shm_root, "s")
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import vllm_artifact.core.store.shm as shm_module
+import vllm_artifact.core.store.shm_read as shm_read
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.envelope import HEADER_NBYTES
 from vllm_artifact.core.store import ObjectStore, ScrubReport, ShmStore, check_shm_space
@@ -509,7 +509,7 @@ def test_a_checksum_mismatch_is_retried_once_then_corrupt(
         g = store.geometry
         at = g.payload_offset + 1 * g.slot_nbytes + 100  # keys[1] is in slot 1
         _flip(shm_root, at)
-        verify = shm_module._verify
+        verify = shm_read.verify_copies
         seen: list[bool] = []
         sleeps: list[float] = []
 
@@ -521,8 +521,8 @@ def test_a_checksum_mismatch_is_retried_once_then_corrupt(
             return bad
 
         sleep = time.sleep
-        monkeypatch.setattr(shm_module, "_verify", observed)
-        monkeypatch.setattr(shm_module.time, "sleep", lambda s: (sleeps.append(s), sleep(s))[1])
+        monkeypatch.setattr(shm_read, "verify_copies", observed)
+        monkeypatch.setattr(shm_read.time, "sleep", lambda s: (sleeps.append(s), sleep(s))[1])
         with ShmStore.open_reader(shm_root, "s") as reader:
             out = layout.empty(48)
             if write_lands:

@@ -2,41 +2,27 @@
 
 The server sends base64 of an ``.npy`` file written with ``allow_pickle=False``; decoding uses
 pybase64 (an order of magnitude faster than the stdlib for multi-MiB payloads) and refuses
-pickled content, so a hostile payload cannot execute code.
-
-Dense (non-MoE) layers carry the dtype's largest value in every entry (``255`` for ``uint8``,
-``65535`` for ``uint16``), never a routing decision: a token's top-k ids are distinct, so for
-top-k >= 2 a routed row never repeats one id, and for top-1 models the server's dtype leaves
-the largest value unused. :func:`dense_layers` finds them from the array alone.
+pickled content, so a hostile payload cannot execute code. A keys-only handle is read from
+the engine's store on this node (:mod:`vllm_artifact.client.reader`).
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from vllm_artifact.client.experts import RoutedExperts, dense_layers
+from vllm_artifact.client.reader import read_r3_keys
+from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.core.npy import decode_npy_base64
 
-__all__ = ["RoutedExperts", "decode_r3", "decode_routed_experts", "dense_layers"]
+__all__ = ["decode_r3", "decode_routed_experts"]
 
 #: Upper bound on an ``.npy`` header we accept (numpy's own default limit).
 _MAX_HEADER = 10000
-
-
-class RoutedExperts(NamedTuple):
-    """One completion's R3: ``experts[t, l, k]`` is the k-th expert token ``t`` was routed to
-    in layer ``l``, for every layer in ``moe_layers``; ``dense_layers`` have no router."""
-
-    experts: np.ndarray
-    dense_layers: tuple[int, ...]
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        dense = set(self.dense_layers)
-        return tuple(i for i in range(self.experts.shape[1]) if i not in dense)
 
 
 def decode_routed_experts(payload: str | bytes) -> np.ndarray:
@@ -72,17 +58,6 @@ def decode_routed_experts(payload: str | bytes) -> np.ndarray:
     return array
 
 
-def dense_layers(experts: np.ndarray) -> tuple[int, ...]:
-    """Layers whose every entry is the dense-layer mark (the dtype's largest value).
-
-    An array without rows has no evidence: it reports no dense layer.
-    """
-    if experts.shape[0] == 0:
-        return ()
-    mark = np.iinfo(experts.dtype).max
-    return tuple(int(i) for i in np.flatnonzero((experts == mark).all(axis=(0, 2))))
-
-
 def decode_r3(source: Any) -> RoutedExperts:
     """R3 of one completion, from whatever the caller holds:
 
@@ -97,8 +72,6 @@ def decode_r3(source: Any) -> RoutedExperts:
     if isinstance(source, np.ndarray):
         experts = source
     elif _is_keys_handle(source):
-        from vllm_artifact.client.reader import read_r3_keys
-
         return read_r3_keys(source)
     elif isinstance(source, str | bytes):
         experts = decode_routed_experts(source)
@@ -120,8 +93,6 @@ def decode_r3(source: Any) -> RoutedExperts:
 
 
 def _is_keys_handle(source: object) -> bool:
-    from vllm_artifact.core.handoff import R3Keys
-
     if isinstance(source, R3Keys):
         return True
     return isinstance(source, str | bytes) and source[:1] in ("{", b"{")

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_artifact.client.decode import RoutedExperts
+from vllm_artifact.client.experts import RoutedExperts
 from vllm_artifact.core.handoff import R3Keys, RowsDigest
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.errors import KeyCollisionError, ObjectMissingError, SchemaError

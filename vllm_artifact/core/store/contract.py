@@ -4,7 +4,10 @@ An object is the R3 rows of one KV block (``[n_tokens, layers, top_k]``,
 ``1 <= n_tokens <= block_size``) published under an :class:`ObjectKey` with a
 token start (a block boundary). Objects are immutable: publishing a key again
 is accepted only with identical content. Nothing here knows about requests or
-the scheduler; request-level logic lives in :mod:`vllm_artifact.core.coverage`.
+the scheduler: which keys a request's tokens have, and when their blocks are
+published or read, is decided by the callers (the per-request tracker and its
+background publisher in :mod:`vllm_artifact.core`, the keys-handle reader in
+:mod:`vllm_artifact.client`).
 
 Who may call what
 -----------------
@@ -103,10 +106,14 @@ class ObjectStore(ABC):
         Same semantics as :meth:`put` of all their blocks; backends override it with a
         faster path.
         """
-        bs = self.layout.block_size
+        block_size = self.layout.block_size
         self.put(
             [
-                PutItem(key, rows[i * bs : (i + 1) * bs], token_start + i * bs)
+                PutItem(
+                    key,
+                    rows[i * block_size : (i + 1) * block_size],
+                    token_start + i * block_size,
+                )
                 for keys, rows, token_start in runs
                 for i, key in enumerate(keys)
             ],

@@ -140,80 +140,91 @@ class Arena:
     """A mapped arena: numpy views over its sections (read-only for readers)."""
 
     def __init__(
-        self, mm: mmap.mmap, geometry: ArenaGeometry, *, writable: bool, incarnation: int
+        self, mapping: mmap.mmap, geometry: ArenaGeometry, *, writable: bool, incarnation: int
     ) -> None:
-        g = geometry
-        self.geometry = g
+        self.geometry = geometry
         self.writable = writable
         self.incarnation = incarnation
-        self._mm: mmap.mmap | None = mm
-        buf = memoryview(mm)
+        self._mapping: mmap.mmap | None = mapping
+        buf = memoryview(mapping)
         self._buf: memoryview | None = buf
+        slot_count, slot_nbytes = geometry.slot_count, geometry.slot_nbytes
         self.index_table = np.frombuffer(
-            buf, dtype="<u8", count=g.index_buckets * BUCKET_WAYS, offset=g.index_offset
-        ).reshape(g.index_buckets, BUCKET_WAYS)
+            buf,
+            dtype="<u8",
+            count=geometry.index_buckets * BUCKET_WAYS,
+            offset=geometry.index_offset,
+        ).reshape(geometry.index_buckets, BUCKET_WAYS)
         self.headers = np.frombuffer(
-            buf, dtype=HEADER_DTYPE, count=g.slot_count, offset=g.headers_offset
+            buf, dtype=HEADER_DTYPE, count=slot_count, offset=geometry.headers_offset
         )
         #: The same headers as ``[slots, 8]`` uint64 words (:class:`HeaderWords`).
-        self.words = self.headers.view("<u8").reshape(g.slot_count, 8)
+        self.words = self.headers.view("<u8").reshape(slot_count, 8)
         self.seq = self.words[:, 0]
         #: And as one opaque item per header: fancy indexing copies a whole header per
-        #: index, fast and without releasing the GIL (see ShmStore._locate).
+        #: index, fast and without releasing the GIL (see StoreReads.locate).
         self.header_items = self.words.view(np.dtype((np.void, HEADER_NBYTES)))[:, 0]
-        self.payload = buf[g.payload_offset : g.payload_offset + g.slot_count * g.slot_nbytes]
+        payload_offset = geometry.payload_offset
+        self.payload = buf[payload_offset : payload_offset + slot_count * slot_nbytes]
         #: The same payload as ``[slots, slot_nbytes]`` bytes (whole-block copies in one call).
         self.payload_blocks = np.frombuffer(
-            buf, dtype=np.uint8, count=g.slot_count * g.slot_nbytes, offset=g.payload_offset
-        ).reshape(g.slot_count, g.slot_nbytes)
-        #: And as one opaque item per slot (fancy indexing moves whole slots, see ShmStore._copy).
-        self.payload_items = self.payload_blocks.view(np.dtype((np.void, g.slot_nbytes)))[:, 0]
+            buf, dtype=np.uint8, count=slot_count * slot_nbytes, offset=payload_offset
+        ).reshape(slot_count, slot_nbytes)
+        #: And as one opaque item per slot (fancy indexing moves whole slots, see
+        #: StoreReads._copy).
+        self.payload_items = self.payload_blocks.view(np.dtype((np.void, slot_nbytes)))[:, 0]
+
+    def published(self) -> np.ndarray:
+        """Which slots hold a published object (envelope set, ``seq`` even)."""
+        return (self.headers["magic"] != 0) & ((self.seq & np.uint64(1)) == 0)
 
     def close(self) -> None:
         """Drop every view, then unmap (numpy views pin the mapping)."""
-        mm, buf = self._mm, self._buf
-        if mm is None or buf is None:
+        mapping, buf = self._mapping, self._buf
+        if mapping is None or buf is None:
             return
-        self._mm = self._buf = None
+        self._mapping = self._buf = None
         del self.index_table, self.headers, self.words, self.seq, self.header_items
         del self.payload_blocks, self.payload_items
         self.payload.release()
         try:
             buf.release()
-            mm.close()
+            mapping.close()
         except BufferError:
             # A caller still holds a view (e.g. a traceback frame); the mapping
             # is unmapped when that view is garbage collected.
             pass
 
 
+#: Geometry fields the superblock records, each checked against the geometry it implies.
+_GEOMETRY_FIELDS = (
+    "slot_count",
+    "slot_nbytes",
+    "index_buckets",
+    "index_offset",
+    "headers_offset",
+    "payload_offset",
+    "file_nbytes",
+)
+_LAYOUT_FIELDS = ("block_size", "num_layers", "top_k", "num_experts", "dtype_code")
+
+
 def _superblock(geometry: ArenaGeometry, incarnation: int) -> bytes:
-    g, lay = geometry, geometry.layout
-    sb = np.zeros(1, dtype=SUPER_DTYPE)
-    sb["magic"] = _MAGIC
-    sb["format_version"] = FORMAT_VERSION
-    sb["header_nbytes"] = HEADER_NBYTES
-    sb["slot_count"] = g.slot_count
-    sb["slot_nbytes"] = g.slot_nbytes
-    sb["index_buckets"] = g.index_buckets
-    sb["index_offset"] = g.index_offset
-    sb["headers_offset"] = g.headers_offset
-    sb["payload_offset"] = g.payload_offset
-    sb["file_nbytes"] = g.file_nbytes
-    sb["block_size"] = lay.block_size
-    sb["num_layers"] = lay.num_layers
-    sb["top_k"] = lay.top_k
-    sb["num_experts"] = lay.num_experts
-    sb["dtype_code"] = lay.dtype_code
-    sb["created_ns"] = time.time_ns()
-    sb["incarnation"] = incarnation
+    superblock = np.zeros(1, dtype=SUPER_DTYPE)
+    superblock["magic"] = _MAGIC
+    superblock["format_version"] = FORMAT_VERSION
+    superblock["header_nbytes"] = HEADER_NBYTES
+    for field in _GEOMETRY_FIELDS:
+        superblock[field] = getattr(geometry, field)
+    for field in _LAYOUT_FIELDS:
+        superblock[field] = getattr(geometry.layout, field)
+    superblock["created_ns"] = time.time_ns()
+    superblock["incarnation"] = incarnation
     dense = np.zeros(MAX_LAYERS, dtype=bool)
-    dense[list(lay.dense_layers)] = True
-    sb["dense_bitmap"][0] = np.packbits(dense, bitorder="little")
-    raw = sb.tobytes()
-    csum = xxhash.xxh3_64_intdigest(raw[:_CSUM_AT])
-    sb["checksum"] = csum
-    return sb.tobytes()
+    dense[list(geometry.layout.dense_layers)] = True
+    superblock["dense_bitmap"][0] = np.packbits(dense, bitorder="little")
+    superblock["checksum"] = xxhash.xxh3_64_intdigest(superblock.tobytes()[:_CSUM_AT])
+    return superblock.tobytes()
 
 
 def _parse_superblock(raw: bytes, where: str) -> tuple[ArenaGeometry, int]:
@@ -223,39 +234,36 @@ def _parse_superblock(raw: bytes, where: str) -> tuple[ArenaGeometry, int]:
     )
     if len(raw) < SUPER_DTYPE.itemsize:
         raise bad
-    sb = np.frombuffer(raw, dtype=SUPER_DTYPE, count=1)[0]
-    if bytes(sb["magic"]) != _MAGIC or int(sb["checksum"]) != xxhash.xxh3_64_intdigest(
-        raw[:_CSUM_AT]
-    ):
+    superblock = np.frombuffer(raw, dtype=SUPER_DTYPE, count=1)[0]
+    if bytes(superblock["magic"]) != _MAGIC or int(
+        superblock["checksum"]
+    ) != xxhash.xxh3_64_intdigest(raw[:_CSUM_AT]):
         raise bad
-    if int(sb["format_version"]) != FORMAT_VERSION or int(sb["header_nbytes"]) != HEADER_NBYTES:
+    version = int(superblock["format_version"])
+    if version != FORMAT_VERSION or int(superblock["header_nbytes"]) != HEADER_NBYTES:
         raise StoreFormatError(
-            f"{where} has store format {int(sb['format_version'])}, this build reads "
+            f"{where} has store format {version}, this build reads "
             f"{FORMAT_VERSION}; use matching vllm-artifact versions for engine and readers"
         )
-    dense_mask = np.unpackbits(sb["dense_bitmap"], bitorder="little").astype(bool)
+    dense_mask = np.unpackbits(superblock["dense_bitmap"], bitorder="little").astype(bool)
     try:
         layout = R3Layout(
-            num_layers=int(sb["num_layers"]),
-            top_k=int(sb["top_k"]),
-            num_experts=int(sb["num_experts"]),
-            block_size=int(sb["block_size"]),
+            num_layers=int(superblock["num_layers"]),
+            top_k=int(superblock["top_k"]),
+            num_experts=int(superblock["num_experts"]),
+            block_size=int(superblock["block_size"]),
             dense_layers=tuple(int(i) for i in np.flatnonzero(dense_mask)),
         )
-        geometry = ArenaGeometry(layout, int(sb["slot_count"]))
+        geometry = ArenaGeometry(layout, int(superblock["slot_count"]))
     except SchemaError:
         raise bad from None
     if (
-        layout.dtype_code != int(sb["dtype_code"])
-        or geometry.slot_nbytes != int(sb["slot_nbytes"])
-        or geometry.index_buckets != int(sb["index_buckets"])
-        or geometry.headers_offset != int(sb["headers_offset"])
-        or geometry.payload_offset != int(sb["payload_offset"])
-        or geometry.file_nbytes != int(sb["file_nbytes"])
-        or DTYPE_CODES[layout.dtype.name] != int(sb["dtype_code"])
+        any(getattr(geometry, field) != int(superblock[field]) for field in _GEOMETRY_FIELDS)
+        or layout.dtype_code != int(superblock["dtype_code"])
+        or DTYPE_CODES[layout.dtype.name] != int(superblock["dtype_code"])
     ):
         raise bad
-    return geometry, int(sb["incarnation"])
+    return geometry, int(superblock["incarnation"])
 
 
 def create_arena(dir_fd: int, geometry: ArenaGeometry, *, where: str) -> Arena:
@@ -266,7 +274,7 @@ def create_arena(dir_fd: int, geometry: ArenaGeometry, *, where: str) -> Arena:
     try:
         allocate(fd, geometry.file_nbytes, what="its arena", where=where)
         os.pwrite(fd, _superblock(geometry, incarnation), 0)
-        mm = mmap.mmap(fd, geometry.file_nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, geometry.file_nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         os.rename(tmp, ARENA_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         os.close(fd)
@@ -274,7 +282,7 @@ def create_arena(dir_fd: int, geometry: ArenaGeometry, *, where: str) -> Arena:
             os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
-    return Arena(mm, geometry, writable=True, incarnation=incarnation)
+    return Arena(mapping, geometry, writable=True, incarnation=incarnation)
 
 
 def open_arena(dir_fd: int, *, writable: bool, where: str) -> Arena:
@@ -290,7 +298,7 @@ def open_arena(dir_fd: int, *, writable: bool, where: str) -> Arena:
                 f"{geometry.file_nbytes}; remove the store directory"
             )
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(fd, size, _MAP_FLAGS, prot)
+        mapping = mmap.mmap(fd, size, _MAP_FLAGS, prot)
     finally:
         os.close(fd)
-    return Arena(mm, geometry, writable=writable, incarnation=incarnation)
+    return Arena(mapping, geometry, writable=writable, incarnation=incarnation)

@@ -139,22 +139,22 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 def _try_collect(root_fd: int, name: str, ttl_seconds: float, now: float) -> bool:
     try:
-        st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        dir_stat = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+    if not stat.S_ISDIR(dir_stat.st_mode) or dir_stat.st_uid != os.geteuid():
         return False  # not ours: never touch it
     dir_fd = os.open(
         name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd
     )
     lock_fd: int | None = None
     try:
-        if not _same_file(os.fstat(dir_fd), st):
+        if not _same_file(os.fstat(dir_fd), dir_stat):
             return False
         try:
             lock_fd = open_file(dir_fd, LOCK_NAME, os.O_RDWR, where=name)
         except FileNotFoundError:
-            heartbeat = st.st_mtime  # writer died before creating its lock
+            heartbeat = dir_stat.st_mtime  # writer died before creating its lock
         except StoreError:
             return False  # a lock that is not a plain file of ours: leave the store alone
         else:

@@ -56,24 +56,24 @@ class HashIndex:
     def __init__(self, table: np.ndarray) -> None:
         if table.ndim != 2 or table.shape[1] != BUCKET_WAYS or table.dtype != np.dtype("<u8"):
             raise ValueError("index table must be [buckets, 8] uint64")
-        nb = table.shape[0]
-        if nb & (nb - 1):
+        n_buckets = table.shape[0]
+        if n_buckets & (n_buckets - 1):
             raise ValueError("index bucket count must be a power of two")
         self.table = table
-        self._mask = np.uint64(nb - 1)
+        self._mask = np.uint64(n_buckets - 1)
         # One opaque item per bucket: fancy indexing copies a bucket per index (see probe).
         self._buckets = table.view(np.dtype((np.void, 8 * BUCKET_WAYS)))[:, 0]
 
     def _route(
         self, words: np.ndarray, slots: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        k0 = words[:, 0]
-        b1 = (k0 & self._mask).astype(np.intp)
-        b2 = ((k0 >> _S32) & self._mask).astype(np.intp)
+        key0 = words[:, 0]
+        first = (key0 & self._mask).astype(np.intp)
+        second = ((key0 >> _S32) & self._mask).astype(np.intp)
         tag = (words[:, 1] >> _S32) << _S32
         if slots is None:
-            return b1, b2, tag
-        return b1, b2, tag | (slots.astype(np.uint64) + np.uint64(1))
+            return first, second, tag
+        return first, second, tag | (slots.astype(np.uint64) + np.uint64(1))
 
     def probe(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every entry of the keys' candidate buckets that carries the key's tag, as
@@ -85,8 +85,10 @@ class HashIndex:
         step thread needs for its prefix-hit reads (docs/design.md, "The step path keeps the
         GIL").
         """
-        b1, b2, tag = self._route(words)
-        entries = self._buckets[np.stack((b1, b2), axis=1).reshape(-1)].view("<u8")  # [keys * 16]
+        first, second, tag = self._route(words)
+        entries = self._buckets[np.stack((first, second), axis=1).reshape(-1)].view(
+            "<u8"
+        )  # [keys * 16]
         tags = np.repeat(tag, 2 * BUCKET_WAYS)
         if _KEEPS_GIL < len(entries) <= _GIL_KEEPING_KEYS * 2 * BUCKET_WAYS:
             # A prefix hit of up to 248 blocks: the tag test in slices of array operations
@@ -111,12 +113,11 @@ class HashIndex:
         """Clear the entries mapping each key to exactly its slot (writer only)."""
         if not len(words):
             return
-        b1, b2, entry = self._route(words, slots)
-        for buckets in (b1, b2):
-            rows = self.table[buckets]
-            match = rows == entry[:, None]
-            r, c = np.nonzero(match)
-            self.table[buckets[r], c] = 0
+        first, second, entry = self._route(words, slots)
+        for buckets in (first, second):
+            match = self.table[buckets] == entry[:, None]
+            keys, ways = np.nonzero(match)
+            self.table[buckets[keys], ways] = 0
 
     def remove_slots(self, slots: np.ndarray) -> None:
         """Clear every entry that points into ``slots``, whatever its key (writer only; a
@@ -141,18 +142,18 @@ class HashIndex:
         return np.concatenate(failed) if failed else np.empty(0, dtype=np.int64)
 
     def _insert_chunk(self, words: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        b1, b2, entry = self._route(words, slots)
+        first, second, entry = self._route(words, slots)
         pending = np.arange(len(words))
         while len(pending):
-            p1, p2 = b1[pending], b2[pending]
-            occ1 = np.count_nonzero(self.table[p1], axis=1)
-            occ2 = np.count_nonzero(self.table[p2], axis=1)
-            target = np.where(occ1 <= occ2, p1, p2)
+            pending_first, pending_second = first[pending], second[pending]
+            first_load = np.count_nonzero(self.table[pending_first], axis=1)
+            second_load = np.count_nonzero(self.table[pending_second], axis=1)
+            target = np.where(first_load <= second_load, pending_first, pending_second)
             order = np.argsort(target, kind="stable")
             sorted_target = target[order]
-            first = np.searchsorted(sorted_target, sorted_target, side="left")
+            same_target_start = np.searchsorted(sorted_target, sorted_target, side="left")
             rank = np.empty(len(pending), dtype=np.int64)
-            rank[order] = np.arange(len(pending)) - first
+            rank[order] = np.arange(len(pending)) - same_target_start
             free = np.cumsum(self.table[target] == 0, axis=1)
             ok = free[:, -1] > rank
             if not ok.any():
@@ -180,10 +181,10 @@ class HashIndex:
         ok = slot < len(live)
         slot = np.where(ok, slot, 0)
         ok &= live[slot]
-        k0, k1 = keys[slot, 0], keys[slot, 1]
+        key0, key1 = keys[slot, 0], keys[slot, 1]
         bucket = (at // BUCKET_WAYS).astype(np.uint64)
-        ok &= (entry >> _S32) == (k1 >> _S32)
-        ok &= (bucket == (k0 & self._mask)) | (bucket == ((k0 >> _S32) & self._mask))
+        ok &= (entry >> _S32) == (key1 >> _S32)
+        ok &= (bucket == (key0 & self._mask)) | (bucket == ((key0 >> _S32) & self._mask))
         good = np.flatnonzero(ok)
         _, first = np.unique(slot[good], return_index=True)
         keep = np.zeros(len(at), dtype=bool)

@@ -41,13 +41,13 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     1.0,
 )
 _MAGIC = 0x52334D4554524943  # "R3METRIC"
-_NB = len(LATENCY_BUCKETS) + 1  # finite buckets + Inf
+_HIST_BUCKETS = len(LATENCY_BUCKETS) + 1  # finite buckets + Inf
 # Layout of the float64 words.
 _MAGIC_AT, _OBJECTS, _BYTES, _CAPACITY, _PINNED, _EVICTIONS = range(6)
 _PUBLISHED, _READ = 6, 7
-_PUBLISH_HIST = 8  # _NB bucket counts, then sum, then count
-_READ_HIST = _PUBLISH_HIST + _NB + 2
-_WORDS = _READ_HIST + _NB + 2
+_PUBLISH_HIST = 8  # _HIST_BUCKETS bucket counts, then sum, then count
+_READ_HIST = _PUBLISH_HIST + _HIST_BUCKETS + 2
+_WORDS = _READ_HIST + _HIST_BUCKETS + 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class StoreMetrics:
     """The writer's counters, mapped from ``<store dir>/metrics``."""
 
     def __init__(self, words: np.ndarray, mapping: mmap.mmap | None = None) -> None:
-        self._w = words
+        self._words = words
         self._mapping = mapping
 
     @classmethod
@@ -97,7 +97,7 @@ class StoreMetrics:
     def close(self) -> None:
         """Unmap the file (the writer closes its store); later updates go nowhere."""
         mapping, self._mapping = self._mapping, None
-        self._w = np.zeros(_WORDS, dtype=np.float64)
+        self._words = np.zeros(_WORDS, dtype=np.float64)
         if mapping is not None:
             # A view still exported: the mapping goes when it is collected.
             with contextlib.suppress(BufferError):
@@ -116,49 +116,51 @@ class StoreMetrics:
             os.close(fd)
         if len(raw) != _WORDS * 8:
             return None
-        w = np.frombuffer(raw, dtype=np.float64)
-        if w[_MAGIC_AT] != float(_MAGIC):
+        words = np.frombuffer(raw, dtype=np.float64)
+        if words[_MAGIC_AT] != float(_MAGIC):
             return None
         return MetricsSnapshot(
-            objects=int(w[_OBJECTS]),
-            bytes_used=int(w[_BYTES]),
-            capacity_bytes=int(w[_CAPACITY]),
-            pinned_objects=int(w[_PINNED]),
-            evictions=int(w[_EVICTIONS]),
-            published_objects=int(w[_PUBLISHED]),
-            read_objects=int(w[_READ]),
-            publish_seconds=_histogram(w, _PUBLISH_HIST),
-            read_seconds=_histogram(w, _READ_HIST),
+            objects=int(words[_OBJECTS]),
+            bytes_used=int(words[_BYTES]),
+            capacity_bytes=int(words[_CAPACITY]),
+            pinned_objects=int(words[_PINNED]),
+            evictions=int(words[_EVICTIONS]),
+            published_objects=int(words[_PUBLISHED]),
+            read_objects=int(words[_READ]),
+            publish_seconds=_histogram(words, _PUBLISH_HIST),
+            read_seconds=_histogram(words, _READ_HIST),
         )
 
     def set_occupancy(
         self, *, objects: int, bytes_used: int, capacity_bytes: int, pinned: int, evictions: int
     ) -> None:
-        w = self._w
-        w[_OBJECTS], w[_BYTES], w[_CAPACITY] = objects, bytes_used, capacity_bytes
-        w[_PINNED], w[_EVICTIONS] = pinned, evictions
+        words = self._words
+        words[_OBJECTS], words[_BYTES], words[_CAPACITY] = objects, bytes_used, capacity_bytes
+        words[_PINNED], words[_EVICTIONS] = pinned, evictions
 
     def observe_publish(self, seconds: float, objects: int) -> None:
-        self._w[_PUBLISHED] += objects
+        self._words[_PUBLISHED] += objects
         self._observe(_PUBLISH_HIST, seconds)
 
     def observe_read(self, seconds: float, objects: int) -> None:
-        self._w[_READ] += objects
+        self._words[_READ] += objects
         self._observe(_READ_HIST, seconds)
 
     def _observe(self, at: int, seconds: float) -> None:
-        w = self._w
+        words = self._words
         # First bound >= seconds. bisect, not np.searchsorted: this runs on every read, also
         # on the engine's step thread, and numpy's search releases the GIL (docs/design.md).
         bucket = bisect.bisect_left(LATENCY_BUCKETS, seconds)
-        w[at + bucket] += 1
-        w[at + _NB] += seconds
-        w[at + _NB + 1] += 1
+        words[at + bucket] += 1
+        words[at + _HIST_BUCKETS] += seconds
+        words[at + _HIST_BUCKETS + 1] += 1
 
 
-def _histogram(w: np.ndarray, at: int) -> Histogram:
-    cumulative = np.cumsum(w[at : at + _NB])
+def _histogram(words: np.ndarray, at: int) -> Histogram:
+    cumulative = np.cumsum(words[at : at + _HIST_BUCKETS])
     bounds = (*LATENCY_BUCKETS, float("inf"))
     return Histogram(
-        tuple(zip(bounds, cumulative.tolist(), strict=True)), float(w[at + _NB]), w[at + _NB + 1]
+        tuple(zip(bounds, cumulative.tolist(), strict=True)),
+        float(words[at + _HIST_BUCKETS]),
+        words[at + _HIST_BUCKETS + 1],
     )

@@ -74,12 +74,12 @@ def _lexical(root: str | os.PathLike[str]) -> str:
     return norm
 
 
-def _check_dir_stat(root: str, st: os.stat_result, *, exact_mode: bool) -> None:
-    if not stat.S_ISDIR(st.st_mode):
+def _check_dir_stat(root: str, dir_stat: os.stat_result, *, exact_mode: bool) -> None:
+    if not stat.S_ISDIR(dir_stat.st_mode):
         raise _unsafe(root, "it is not a directory")
-    if st.st_uid != os.geteuid():
-        raise _unsafe(root, f"it is owned by uid {st.st_uid}, not by uid {os.geteuid()}")
-    mode = stat.S_IMODE(st.st_mode)
+    if dir_stat.st_uid != os.geteuid():
+        raise _unsafe(root, f"it is owned by uid {dir_stat.st_uid}, not by uid {os.geteuid()}")
+    mode = stat.S_IMODE(dir_stat.st_mode)
     if exact_mode and mode != 0o700:
         raise _unsafe(root, f"its mode is {mode:04o}, not 0700 (chmod 700 it)")
     if not exact_mode and mode & 0o022:
@@ -187,22 +187,24 @@ def open_file(dir_fd: int, name: str, flags: int, *, where: str) -> int:
             ) from err
         raise
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        file_stat = os.fstat(fd)
+        if not stat.S_ISREG(file_stat.st_mode):
             raise _unsafe(where, f"{name!r} is not a regular file")
-        if st.st_uid != os.geteuid():
-            raise _unsafe(where, f"{name!r} is owned by uid {st.st_uid}")
-        if st.st_nlink != 1:
+        if file_stat.st_uid != os.geteuid():
+            raise _unsafe(where, f"{name!r} is owned by uid {file_stat.st_uid}")
+        if file_stat.st_nlink != 1:
             raise _unsafe(
                 where,
-                f"{name!r} has {st.st_nlink} links: another name can change it (or keep it "
+                f"{name!r} has {file_stat.st_nlink} links: another name can change it (or keep it "
                 "alive); remove the other names",
             )
-        if stat.S_IMODE(st.st_mode) != 0o600:
-            if flags & os.O_CREAT and st.st_size == 0:
+        if stat.S_IMODE(file_stat.st_mode) != 0o600:
+            if flags & os.O_CREAT and file_stat.st_size == 0:
                 os.fchmod(fd, 0o600)  # just created under a restrictive umask
             else:
-                raise _unsafe(where, f"{name!r} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600")
+                raise _unsafe(
+                    where, f"{name!r} has mode {stat.S_IMODE(file_stat.st_mode):04o}, not 0600"
+                )
     except BaseException:
         os.close(fd)
         raise
@@ -238,8 +240,8 @@ def check_shm_space(
     """
     path = _lexical(root)
     probe = path if os.path.exists(path) else SHM_MOUNT
-    st = os.statvfs(probe)
-    free = st.f_bavail * st.f_frsize + reclaimable_bytes
+    filesystem = os.statvfs(probe)
+    free = filesystem.f_bavail * filesystem.f_frsize + reclaimable_bytes
     if free < needed_bytes:
         raise ShmSpaceError(
             f"{SHM_MOUNT} has {_size(free)} free but the R3 store needs {_size(needed_bytes)}. "

@@ -8,10 +8,10 @@ Eviction is CLOCK (second chance), an LRU approximation that needs no list
 reordering on reads: a read or put sets the slot's reference bit; the hand
 sweeps slots in order, clearing reference bits, and takes unpinned,
 unreferenced ones; free slots are always used before anything is evicted.
-Sweeps are vectorized over windows, so allocating ``k`` slots costs O(k)
+Sweeps are vectorized over windows, so allocating ``count`` slots costs O(count)
 amortized, not O(objects). Pinned slots (the KV cache can still hit them) are
 never taken; if two full sweeps do not find
-``k`` slots, pinned data alone fills the store and the caller raises
+``count`` slots, pinned data alone fills the store and the caller raises
 :class:`CapacityError`. Allocation changes nothing until it succeeds.
 """
 
@@ -54,23 +54,22 @@ class SlotTable:
         self._objects = int(np.count_nonzero(present))
         self._pinned = 0
 
-    def allocate(self, k: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """Pick ``k`` slots; returns ``(slots, evicted_mask)`` or None if impossible.
+    def allocate(self, count: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Pick ``count`` slots; returns ``(slots, evicted_mask)`` or None if impossible.
 
         Free slots are used first (a fresh or recovered store never evicts
         while it has room); then the CLOCK hand evicts. ``protect`` lists
         slots that must not be evicted (objects the current batch
         re-publishes). The caller must unindex evicted slots before reuse.
         """
-        if k == 0:
+        if count == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
-        n = self.slot_count
-        free_total = n - self._objects
+        free_total = self.slot_count - self._objects
         chosen: list[np.ndarray] = []
         if free_total:
-            picks = self._sweep_free(min(k, free_total))
+            picks = self._sweep_free(min(count, free_total))
             chosen.append(picks)
-        need = k - sum(len(c) for c in chosen)
+        need = count - sum(len(picked) for picked in chosen)
         if need:
             victims = self._sweep_clock(need, protect)
             if victims is None:
@@ -81,56 +80,56 @@ class SlotTable:
         self.evictions += int(np.count_nonzero(evicted))
         return slots, evicted
 
-    def _sweep_free(self, k: int) -> np.ndarray:
-        """Next ``k`` unoccupied slots from the free cursor (they exist)."""
-        n = self.slot_count
+    def _sweep_free(self, count: int) -> np.ndarray:
+        """Next ``count`` unoccupied slots from the free cursor (they exist)."""
+        slot_count = self.slot_count
         found: list[np.ndarray] = []
         got = 0
         pos = self.free_hand
-        window = max(4 * k, 1024)
+        window = max(4 * count, 1024)
         scanned = 0
-        while got < k and scanned < n + window:
-            hi = min(n, pos + window)
-            picks = pos + np.flatnonzero(~self.occupied[pos:hi])[: k - got]
+        while got < count and scanned < slot_count + window:
+            hi = min(slot_count, pos + window)
+            picks = pos + np.flatnonzero(~self.occupied[pos:hi])[: count - got]
             found.append(picks)
             got += len(picks)
-            stop = hi if got < k else int(picks[-1]) + 1
+            stop = hi if got < count else int(picks[-1]) + 1
             scanned += stop - pos
-            pos = stop % n
+            pos = stop % slot_count
         self.free_hand = pos
         return np.concatenate(found)
 
-    def _sweep_clock(self, k: int, protect: np.ndarray) -> np.ndarray | None:
-        """CLOCK: take ``k`` occupied, unpinned, unreferenced slots (or None)."""
-        n = self.slot_count
-        shield = np.zeros(n, dtype=bool) if len(protect) else None
+    def _sweep_clock(self, count: int, protect: np.ndarray) -> np.ndarray | None:
+        """CLOCK: take ``count`` occupied, unpinned, unreferenced slots (or None)."""
+        slot_count = self.slot_count
+        shield = np.zeros(slot_count, dtype=bool) if len(protect) else None
         if shield is not None:
             shield[protect] = True
         chosen: list[np.ndarray] = []
         found = 0
         hand = self.hand
         swept = 0
-        window = max(4 * k, 1024)
+        window = max(4 * count, 1024)
         refs = self.referenced.copy()  # committed only on success
-        while found < k and swept < 2 * n + window:
+        while found < count and swept < 2 * slot_count + window:
             lo = hand
-            hi = min(n, lo + window)
+            hi = min(slot_count, lo + window)
             ok = self.occupied[lo:hi] & (self.pins[lo:hi] == 0) & ~refs[lo:hi]
             if shield is not None:
                 ok &= ~shield[lo:hi]
-            picks = lo + np.flatnonzero(ok)[: k - found]
+            picks = lo + np.flatnonzero(ok)[: count - found]
             if len(picks):
                 chosen.append(picks)
                 found += len(picks)
-            stop = hi if found < k else int(picks[-1]) + 1
+            stop = hi if found < count else int(picks[-1]) + 1
             refs[lo:stop] = False  # second chance: passed-over slots lose their bit
             swept += stop - lo
-            hand = stop % n
-            if hand == 0 and found < k and chosen:
+            hand = stop % slot_count
+            if hand == 0 and found < count and chosen:
                 if shield is None:
-                    shield = np.zeros(n, dtype=bool)
+                    shield = np.zeros(slot_count, dtype=bool)
                 shield[np.concatenate(chosen)] = True  # never pick a slot twice
-        if found < k:
+        if found < count:
             return None
         self.referenced = refs
         self.hand = hand
@@ -177,9 +176,9 @@ class SlotTable:
             self._pinned -= int(np.count_nonzero(self.pins[dropped] == 0))
             return was
         was = np.zeros(len(slots), dtype=bool)
-        for i, s in enumerate(slots.tolist()):
-            if self.pins[s] > 0:
-                self.pins[s] -= 1
-                self._pinned -= int(self.pins[s] == 0)
+        for i, slot in enumerate(slots.tolist()):
+            if self.pins[slot] > 0:
+                self.pins[slot] -= 1
+                self._pinned -= int(self.pins[slot] == 0)
                 was[i] = True
         return was

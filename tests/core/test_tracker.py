@@ -11,17 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_artifact.contract import EmittedRows, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import (
-    EmittedRows,
     RequestTracker,
     StepBatch,
     StepRows,
-    TailBlock,
     eviction_id,
     eviction_ids,
 )

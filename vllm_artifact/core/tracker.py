@@ -30,25 +30,16 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
 from vllm_artifact.core.buffer import RequestRowBuffer, copy_blocks, gather_rows
 from vllm_artifact.core.failure import R3Failure
-from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.keys import KeyCache, Namespace, ObjectKey, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Lease, PinChange
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, InternalError
 
-__all__ = [
-    "EmittedRows",
-    "RequestTracker",
-    "StepBatch",
-    "StepResult",
-    "StepRows",
-    "TailBlock",
-    "eviction_id",
-    "eviction_ids",
-]
+__all__ = ["RequestTracker", "StepBatch", "StepRows", "eviction_id", "eviction_ids"]
 
 logger = logging.getLogger("vllm.artifact.tracker")
 
@@ -142,83 +133,6 @@ class StepBatch(NamedTuple):
             np.array([entry.sampled for entry in entries], dtype=bool),
             rows,
         )
-
-
-class TailBlock(NamedTuple):
-    """A finished request's terminal partial block as the scheduler hashed it: tokens
-    ``[start, start + num_tokens)``, ``start`` on a block boundary."""
-
-    hash: bytes
-    start: int
-    num_tokens: int
-
-
-class EmittedRows(NamedTuple):
-    """Rows for tokens ``[token_start, token_start + len(rows))``."""
-
-    token_start: int
-    rows: np.ndarray
-
-
-@dataclass
-class StepResult:
-    """One step's rows for the scheduler: requests in steady decode column-wise (one row
-    each, no per-request object), every other request's rows or failure in ``entries``.
-
-    It crosses the worker -> scheduler process boundary as is (pickled), so a decode batch
-    costs one array and one list there too; :meth:`rows_of` is the scheduler's lookup.
-    """
-
-    entries: dict[str, EmittedRows | R3Failure] = field(default_factory=dict)
-    decode_ids: list[str] = field(default_factory=list)
-    decode_token_starts: list[int] = field(default_factory=list)
-    decode_rows: np.ndarray | None = None  # [len(decode_ids), layers, top_k]
-    #: Where rank zero's store is and what its keys are made of; sent with the first step
-    #: (the scheduler builds keys-only handles from it).
-    keys_context: KeysContext | None = None
-    # request id -> (token_start, rows), built on first lookup (one C-level pass)
-    _rows_by_id: dict[str, tuple[int, np.ndarray]] | None = field(
-        default=None, repr=False, compare=False
-    )
-
-    def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_rows_by_id": None}  # rebuilt lazily on the other side
-
-    def rows_of(self, request_id: str) -> tuple[int, np.ndarray] | None:
-        """The request's ``(token_start, rows)`` this step; None if it has none or failed."""
-        return self.rows_by_id().get(request_id)
-
-    def rows_by_id(self) -> dict[str, tuple[int, np.ndarray]]:
-        """Every request's ``(token_start, rows)`` this step (failed ones excluded)."""
-        rows_by_id = self._rows_by_id
-        if rows_by_id is None:
-            rows_by_id = self._rows_by_id = {
-                rid: entry for rid, entry in self.entries.items() if isinstance(entry, EmittedRows)
-            }
-            if self.decode_ids:
-                if self.decode_rows is None:
-                    raise InternalError("a step result names decode requests but has no rows")
-                views = zip(self.decode_token_starts, self.decode_rows[:, None], strict=True)
-                rows_by_id.update(zip(self.decode_ids, views, strict=True))
-        return rows_by_id
-
-    def get(self, request_id: str) -> EmittedRows | R3Failure | None:
-        """The request's rows or failure this step, if any."""
-        entry = self.entries.get(request_id)
-        if entry is not None:
-            return entry
-        found = self.rows_of(request_id)
-        return None if found is None else EmittedRows(*found)
-
-    def __getitem__(self, request_id: str) -> EmittedRows | R3Failure:
-        entry = self.get(request_id)
-        if entry is None:
-            raise KeyError(request_id)
-        return entry
-
-    def failures(self) -> dict[str, R3Failure]:
-        """The requests that failed this step."""
-        return {rid: e for rid, e in self.entries.items() if isinstance(e, R3Failure)}
 
 
 @dataclass

@@ -149,10 +149,6 @@ class StepResult:
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_rows_by_id": None}  # rebuilt lazily on the other side
 
-    def rows_of(self, request_id: str) -> tuple[int, np.ndarray] | None:
-        """The request's ``(token_start, rows)`` this step; None if it has none or failed."""
-        return self.rows_by_id().get(request_id)
-
     def rows_by_id(self) -> dict[str, tuple[int, np.ndarray]]:
         """Every request's ``(token_start, rows)`` this step (failed ones excluded)."""
         rows_by_id = self._rows_by_id
@@ -166,20 +162,6 @@ class StepResult:
                 views = zip(self.decode_token_starts, self.decode_rows[:, None], strict=True)
                 rows_by_id.update(zip(self.decode_ids, views, strict=True))
         return rows_by_id
-
-    def get(self, request_id: str) -> EmittedRows | R3Failure | None:
-        """The request's rows or failure this step, if any."""
-        entry = self.entries.get(request_id)
-        if entry is not None:
-            return entry
-        found = self.rows_of(request_id)
-        return None if found is None else EmittedRows(*found)
-
-    def __getitem__(self, request_id: str) -> EmittedRows | R3Failure:
-        entry = self.get(request_id)
-        if entry is None:
-            raise KeyError(request_id)
-        return entry
 
     def failures(self) -> dict[str, R3Failure]:
         """The requests that failed this step."""

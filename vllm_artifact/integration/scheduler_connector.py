@@ -48,9 +48,9 @@ from vllm_artifact.contract import SchedulerConnector, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys, RowsDigest
 from vllm_artifact.core.keys import KeyCache, ObjectKey, check_weight_version, tail_block_key
-from vllm_artifact.core.tracker import eviction_ids
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
+from vllm_artifact.integration.kv_events import eviction_ids
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
 logger = logging.getLogger("vllm.artifact.scheduler")

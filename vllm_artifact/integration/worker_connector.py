@@ -29,12 +29,14 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext, StoreAddress
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.store import ShmStore, check_shm_space
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
-from vllm_artifact.core.tracker import RequestTracker, StepBatch
+from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.errors import InternalError
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.engine_store import open_engine_store
+from vllm_artifact.integration.kv_events import eviction_id
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
@@ -148,6 +150,7 @@ class ArtifactWorkerConnector:
                 self._layout.block_nbytes * 4 * scheduler_config.max_num_seqs,
                 scheduler_config.max_num_batched_tokens * self._layout.row_nbytes * 4,
             ),
+            block_id=eviction_id,
             lease_seconds=config.keys_lease_seconds,
         )
         self._keys_context = KeysContext(
@@ -255,7 +258,7 @@ class ArtifactWorkerConnector:
                 self._generation = metadata.generation
             for request_id, emit_start in metadata.requests.items():
                 tracker.admit(request_id, int(emit_start))
-            tracker.add_block_hashes_of(metadata.block_hashes)
+            tracker.add_block_hashes(metadata.block_hashes)
             # After publishing (and pinning) newly keyed blocks: a block may be evicted already.
             if metadata.kv_cleared:
                 tracker.kv_cleared()

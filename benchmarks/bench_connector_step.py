@@ -72,6 +72,7 @@ from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Submissi
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import RequestTracker
+from vllm_artifact.integration.kv_events import eviction_id
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 from vllm_artifact.integration.worker_connector import ArtifactWorkerConnector
 
@@ -428,7 +429,9 @@ def ours(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
         assert not replayer.failures
         return seconds
 
-    tracker = RequestTracker(LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20)
+    tracker = RequestTracker(
+        LAYOUT, "bench", store, publisher, buffer_max_bytes=512 << 20, block_id=eviction_id
+    )
     # The shared prefix was published by an earlier request.
     prefix_rows = np.random.default_rng(1).integers(
         0, 256, (PREFIX_BLOCKS * 16, 58, 8), dtype=np.uint8

@@ -1,9 +1,11 @@
 """Typed exceptions of the whole product, in one place.
 
-Every exception carries a short machine-readable ``reason`` (the integration
-counts fail-closed requests by it and maps it to vLLM's ``RequestError``) and a
-message that says what to do about it. ``retryable`` tells the integration
-whether repeating the same request can succeed without operator action.
+Every exception carries a short machine-readable ``reason`` and a message that says what
+to do about it. A request failed closed carries both to its caller: the scheduler finishes
+it with finish reason ``error`` and ``stop_reason`` ``vllm-artifact[<reason>] <message>``
+(:class:`~vllm_artifact.core.failure.R3Failure`); the frontend counts it by reason
+(``vllm_artifact_failed_requests_total``) and the OpenAI server answers it with HTTP 500 and
+that message (``integration/hooks/request_errors.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ __all__ = [
     "ArtifactError",
     "BufferCapacityError",
     "CapacityError",
-    "CoverageError",
     "InternalError",
     "KeyCollisionError",
     "ObjectCorruptError",
@@ -39,7 +40,6 @@ class ArtifactError(Exception):
     """Base class of every error raised on purpose by vllm-artifact."""
 
     reason: str = "artifact"
-    retryable: bool = False
 
 
 class SchemaError(ArtifactError, ValueError):
@@ -52,12 +52,6 @@ class WeightVersionError(SchemaError):
     """A weight version our object keys cannot carry (refused before the engine records it)."""
 
     reason = "weight_version"
-
-
-class CoverageError(ArtifactError, ValueError):
-    """The keys planned for a request do not cover its rows exactly."""
-
-    reason = "coverage"
 
 
 # --------------------------------------------------------------------------- store
@@ -133,7 +127,6 @@ class WriterConflictError(StoreError):
     """Another live process already owns the store as its writer."""
 
     reason = "writer_conflict"
-    retryable = True
 
 
 # ------------------------------------------------------------------------- buffer
@@ -155,7 +148,6 @@ class BufferCapacityError(RowBufferError):
     """The request buffer would exceed its memory bound."""
 
     reason = "buffer_capacity"
-    retryable = True
 
 
 class UnknownRequestError(RowBufferError, KeyError):

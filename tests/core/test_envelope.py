@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_artifact.core import Envelope, R3Layout
+from vllm_artifact.core import R3Layout
 from vllm_artifact.core.envelope import (
     HEADER_DTYPE,
     OBJECT_MAGIC,
@@ -35,14 +35,19 @@ def test_header_is_one_cache_line() -> None:
 
 @given(st.binary(min_size=16, max_size=16), st.integers(0, 2**20), st.integers(1, 8))
 def test_round_trip(key: bytes, block: int, n: int) -> None:
+    """A header written for an object passes the store's read path (words) with its fields."""
     h = _header(key, block * 8, n)
     payload = np.arange(n * LAYOUT.row_nbytes, dtype=np.uint8).data
     h["checksum"] = checksum(payload, checksum_seeds(h)[0])
     h["seq"] = 2
-    env = Envelope.from_header(h[0])
-    assert env.key == key and env.token_range == (block * 8, block * 8 + n)
-    assert env.dtype_code == LAYOUT.dtype_code and env.payload_nbytes == n * LAYOUT.row_nbytes
-    assert not header_problems(h, LAYOUT).any()
+    hw = HeaderWords(LAYOUT)
+    words = HeaderWords.of(h)
+    assert not hw.problems(words).any()
+    assert checksum(payload, hw.seeds(words)[0]) == int(words[0, HeaderWords.CSUM])
+    np.testing.assert_array_equal(
+        words[:, HeaderWords.KEY0 : HeaderWords.KEY1 + 1], keys_to_words([key])
+    )
+    assert int(words[0, HeaderWords.START]) == block * 8 and HeaderWords.n_tokens(words)[0] == n
 
 
 @given(

@@ -8,7 +8,7 @@ import sys
 CODE = """
 import sys
 import vllm_artifact.core, vllm_artifact.core.store, vllm_artifact.errors
-import vllm_artifact.core.store.shm, vllm_artifact.core.coverage, vllm_artifact.core.buffer
+import vllm_artifact.core.store.shm, vllm_artifact.core.buffer, vllm_artifact.contract
 import vllm_artifact.core.tracker, vllm_artifact.core.json_splice, vllm_artifact.client
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'vllm', 'torch', 'triton'})
 print(','.join(heavy))

@@ -8,23 +8,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
+from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
 from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.step_batch import StepBatch, StepRows
 from vllm_artifact.core.store import ShmStore
-from vllm_artifact.core.tracker import (
-    EmittedRows,
-    RequestTracker,
-    StepBatch,
-    StepRows,
-    TailBlock,
-    eviction_id,
-    eviction_ids,
-)
+from vllm_artifact.core.tracker import RequestTracker
 
 from .conftest import gil_releases, rows_for
 
@@ -41,7 +33,9 @@ def tracker(shm_root: str, layout: R3Layout) -> Iterator[Parts]:
     )
     publisher = BackgroundPublisher(store)
     yield (
-        RequestTracker(layout, "model", store, publisher, buffer_max_bytes=1 << 20),
+        RequestTracker(
+            layout, "model", store, publisher, buffer_max_bytes=1 << 20, block_id=block_id
+        ),
         store,
         publisher,
     )
@@ -50,6 +44,40 @@ def tracker(shm_root: str, layout: R3Layout) -> Iterator[Parts]:
 
 
 TAIL_HASH = b"tail-hash".ljust(32, b".")
+
+
+def block_id(block_hash: bytes) -> int:
+    """The id evictions name a KV block by (the integration's is vLLM's; any will do here)."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+def batch_of(entries: list[StepRows]) -> StepBatch:
+    """A step from per-request entries (the worker connector builds it column-wise)."""
+    lengths = np.array([len(entry.rows) for entry in entries], dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return StepBatch(
+        [entry.request_id for entry in entries],
+        np.array([entry.token_start for entry in entries], dtype=np.int64),
+        np.array([entry.num_scheduled for entry in entries], dtype=np.int64),
+        ends - lengths,
+        ends,
+        np.array([entry.sampled for entry in entries], dtype=bool),
+        np.concatenate([entry.rows for entry in entries]),
+    )
+
+
+def entry_of(result: StepResult, request_id: str) -> EmittedRows | R3Failure | None:
+    """The request's rows or failure in a step result, as the scheduler finds them."""
+    entry = result.entries.get(request_id)
+    if entry is not None:
+        return entry
+    found = result.rows_by_id().get(request_id)
+    return None if found is None else EmittedRows(*found)
+
+
+def tracked(t: RequestTracker, request_id: str) -> bool:
+    """The tracker still holds state for the request (not torn down yet)."""
+    return request_id in t._requests
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
@@ -61,8 +89,8 @@ def step(
     t: RequestTracker, request_id: str, start: int, rows: np.ndarray, *, sampled: bool = True
 ) -> EmittedRows | R3Failure | None:
     t.step_started([request_id])
-    out = t.step_finished(StepBatch.of([StepRows(request_id, start, len(rows), rows, sampled)]))
-    return out.get(request_id)
+    out = t.step_finished(batch_of([StepRows(request_id, start, len(rows), rows, sampled)]))
+    return entry_of(out, request_id)
 
 
 def serve(
@@ -74,7 +102,7 @@ def serve(
 ) -> None:
     """A request computed in one step and finished: its keyed full blocks get published."""
     t.admit(request_id, 0)
-    t.add_block_hashes(request_id, block_hashes)
+    t.add_block_hashes({request_id: block_hashes})
     step(t, request_id, 0, rows)
     t.finish(request_id, tail=tail)
 
@@ -84,7 +112,7 @@ def hit(
 ) -> EmittedRows | R3Failure | None:
     """A request whose first ``cached`` tokens the KV cache serves; it computes ``rows``."""
     t.admit(request_id, 0)
-    t.add_block_hashes(request_id, block_hashes)
+    t.add_block_hashes({request_id: block_hashes})
     return step(t, request_id, cached, rows)
 
 
@@ -94,7 +122,7 @@ def test_chunked_prefill_then_decode_emits_every_row_once_and_publishes_keyed_bl
     t, store, publisher = tracker
     rows = rows_for(layout, 1, 40)
     t.admit("a", 0)
-    t.add_block_hashes("a", hashes("a", 2))  # the prompt's full blocks are known up front
+    t.add_block_hashes({"a": hashes("a", 2)})  # the prompt's full blocks are known up front
     assert step(t, "a", 0, rows[:20], sampled=False) is None  # prefill chunk: nothing emitted
     first = step(t, "a", 20, rows[20:36])  # last chunk samples: rows 0..35
     assert isinstance(first, EmittedRows) and first.token_start == 0
@@ -131,10 +159,10 @@ def test_requests_of_one_step_with_the_same_prefix_hit_read_it_once(
     serve(t, "a", hashes("g", 3), rows)
     for rid in ("b", "c", "d"):
         t.admit(rid, 0)
-        t.add_block_hashes(rid, hashes("g", 3))
+        t.add_block_hashes({rid: hashes("g", 3)})
     t.step_started(["b", "c", "d"])
     out = t.step_finished(
-        StepBatch.of(
+        batch_of(
             [
                 StepRows("b", 2 * BS, BS + 5, rows[2 * BS :], True),
                 StepRows("c", 2 * BS, BS + 5, rows[2 * BS :], True),
@@ -143,7 +171,7 @@ def test_requests_of_one_step_with_the_same_prefix_hit_read_it_once(
         )
     )
     for rid in ("b", "c", "d"):
-        emitted = out[rid]
+        emitted = entry_of(out, rid)
         assert isinstance(emitted, EmittedRows) and emitted.token_start == 0
         np.testing.assert_array_equal(emitted.rows, rows)
     assert t.reads == 2 + 3  # b's two blocks, d's three; c copied b's
@@ -159,7 +187,7 @@ def test_prefix_hit_rows_from_mid_block_positions(
     rows = rows_for(layout, 3, 2 * BS + 5)
     serve(t, "a", hashes("p", 2), rows)
     t.admit("b", emit_start)
-    t.add_block_hashes("b", hashes("p", 2))
+    t.add_block_hashes({"b": hashes("p", 2)})
     out = step(t, "b", cached, rows[cached:])
     assert isinstance(out, EmittedRows) and out.token_start == emit_start
     np.testing.assert_array_equal(out.rows, rows[emit_start:])
@@ -168,21 +196,21 @@ def test_prefix_hit_rows_from_mid_block_positions(
 def test_missing_object_fails_only_that_request(tracker: Parts, layout: R3Layout) -> None:
     t, _, _ = tracker
     t.admit("hit", 0)
-    t.add_block_hashes("hit", hashes("never-published", 1))
+    t.add_block_hashes({"hit": hashes("never-published", 1)})
     t.admit("ok", 0)
     t.step_started(["hit", "ok"])
     results = t.step_finished(
-        StepBatch.of(
+        batch_of(
             [
                 StepRows("hit", BS, 3, rows_for(layout, 3, 3), True),
                 StepRows("ok", 0, 3, rows_for(layout, 4, 3), True),
             ]
         )
     )
-    failure = results["hit"]
+    failure = entry_of(results, "hit")
     assert isinstance(failure, R3Failure) and failure.reason == "missing"
     assert "Increase --artifact-capacity" in failure.message
-    assert isinstance(results["ok"], EmittedRows)
+    assert isinstance(entry_of(results, "ok"), EmittedRows)
     # The failure is reported once; later steps of the failed request return nothing.
     assert step(t, "hit", BS + 3, rows_for(layout, 5, 1)) is None
 
@@ -206,7 +234,7 @@ def test_optimistic_step_after_rejected_drafts_reattaches(tracker: Parts, layout
     step(t, "a", 0, rows[:8])
     # Step scheduled 1 token + 3 drafts at 8; 2 drafts were rejected (caller cut them).
     t.step_started(["a"])
-    out = t.step_finished(StepBatch.of([StepRows("a", 8, 4, rows[8:10], True)]))["a"]
+    out = entry_of(t.step_finished(batch_of([StepRows("a", 8, 4, rows[8:10], True)])), "a")
     assert isinstance(out, EmittedRows) and out.token_start == 8
     # Async scheduling planned the next step from 12 (all drafts accepted), the model ran it
     # from 10: rows continue right after the last captured one.
@@ -237,10 +265,10 @@ def test_finish_waits_for_steps_in_flight(tracker: Parts, layout: R3Layout) -> N
     t.admit("a", 0)
     t.step_started(["a"])
     t.finish("a")  # aborted while its step runs
-    assert "a" in t
-    out = t.step_finished(StepBatch.of([StepRows("a", 0, 2, rows_for(layout, 10, 2), True)]))
-    assert isinstance(out["a"], EmittedRows)
-    assert "a" not in t
+    assert tracked(t, "a")
+    out = t.step_finished(batch_of([StepRows("a", 0, 2, rows_for(layout, 10, 2), True)]))
+    assert isinstance(entry_of(out, "a"), EmittedRows)
+    assert not tracked(t, "a")
 
 
 def test_finish_waits_for_every_step_in_flight(tracker: Parts, layout: R3Layout) -> None:
@@ -255,13 +283,13 @@ def test_finish_waits_for_every_step_in_flight(tracker: Parts, layout: R3Layout)
     t.finish("a")
     rows = rows_for(layout, 10, 3)
     out = t.step_finished(
-        StepBatch.of([StepRows("a", 0, 2, rows[:2], True), StepRows("b", 0, 2, rows[:2], True)])
+        batch_of([StepRows("a", 0, 2, rows[:2], True), StepRows("b", 0, 2, rows[:2], True)])
     )
-    assert isinstance(out["a"], EmittedRows) and "a" in t
+    assert isinstance(entry_of(out, "a"), EmittedRows) and tracked(t, "a")
     out = t.step_finished(
-        StepBatch.of([StepRows("b", 2, 1, rows[2:], True), StepRows("a", 2, 1, rows[2:], True)])
+        batch_of([StepRows("b", 2, 1, rows[2:], True), StepRows("a", 2, 1, rows[2:], True)])
     )
-    assert out["a"].token_start == 2 and "a" not in t and "b" in t
+    assert entry_of(out, "a").token_start == 2 and not tracked(t, "a") and tracked(t, "b")
 
 
 def test_normal_finish_publishes_the_terminal_partial_block(
@@ -302,10 +330,10 @@ def test_tails_of_one_steps_finished_requests_go_in_one_submission(
     tails = {rid: TailBlock(hashlib.sha256(rid.encode()).digest(), BS, 5) for rid in rows}
     for rid in "abcd":
         t.admit(rid, 0)
-        t.add_block_hashes(rid, hashes(rid, 1))
+        t.add_block_hashes({rid: hashes(rid, 1)})
     seen = submissions_of(publisher, monkeypatch)
     t.step_started(["a", "b"])
-    t.step_finished(StepBatch.of([StepRows(r, 0, BS + 5, rows[r], True) for r in "ab"]))
+    t.step_finished(batch_of([StepRows(r, 0, BS + 5, rows[r], True) for r in "ab"]))
     t.step_started(["c", "d"])
     tail_keys = {rid: [tail_block_key(t.namespace, tails[rid].hash, 5)] for rid in rows}
 
@@ -319,9 +347,9 @@ def test_tails_of_one_steps_finished_requests_go_in_one_submission(
     t.finish_all((rid, tails[rid]) for rid in "ab")  # not in flight: torn down at once
     t.finish_all((rid, tails[rid]) for rid in "cd")  # in flight: torn down by step_finished
     assert tail_submissions() == [[tail_keys["a"], tail_keys["b"]]]
-    t.step_finished(StepBatch.of([StepRows(r, 0, BS + 5, rows[r], True) for r in "cd"]))
+    t.step_finished(batch_of([StepRows(r, 0, BS + 5, rows[r], True) for r in "cd"]))
     assert tail_submissions()[1:] == [[tail_keys["c"], tail_keys["d"]]]
-    assert t.tails_published == 4 and not any(rid in t for rid in "abcd")
+    assert t.tails_published == 4 and not any(tracked(t, rid) for rid in "abcd")
     publisher.flush()
     for rid in "abcd":
         (tail,) = store.get([tail_block_key(t.namespace, tails[rid].hash, 5)])
@@ -339,7 +367,7 @@ def test_a_prefill_chunks_blocks_are_published_without_a_copy(
     seen = submissions_of(publisher, monkeypatch)
     step(t, "a", 0, rows[: 3 * BS + 2], sampled=False)  # blocks 0-2 complete, unkeyed
     step(t, "a", 3 * BS + 2, rows[3 * BS + 2 :])  # blocks 3-5 complete in another array
-    t.add_block_hashes("a", hashes("chunk", 6))  # their hashes arrive: one run of six blocks
+    t.add_block_hashes({"a": hashes("chunk", 6)})  # their hashes arrive: one run of six blocks
     (run,) = [run for s in seen for run in s if isinstance(run, BlockRun)]
     assert run.keys == full_block_keys(t.namespace, hashes("chunk", 6))
     np.testing.assert_array_equal(run.rows, rows[: 6 * BS])
@@ -347,7 +375,7 @@ def test_a_prefill_chunks_blocks_are_published_without_a_copy(
     seen.clear()
     t.admit("b", 0)
     step(t, "b", 0, rows, sampled=False)  # six blocks in one array
-    t.add_block_hashes("b", hashes("chunk-b", 6))
+    t.add_block_hashes({"b": hashes("chunk-b", 6)})
     (run,) = [run for s in seen for run in s if isinstance(run, BlockRun)]
     assert run.rows.base is not None and run.rows.flags.c_contiguous  # a view, no copy
     np.testing.assert_array_equal(run.rows, rows[: 6 * BS])
@@ -366,7 +394,7 @@ def test_tail_ignores_rows_past_the_schedulers_last_token(
     t, store, publisher = tracker
     rows = rows_for(layout, 13, BS + 5 + extra)
     serve(t, "a", hashes("s", 1), rows, tail=TailBlock(TAIL_HASH, BS, 5))
-    assert t.tails_published == 1 and "a" not in t
+    assert t.tails_published == 1 and not tracked(t, "a")
     publisher.flush()
     (tail,) = store.get([tail_block_key(t.namespace, TAIL_HASH, 5)])
     np.testing.assert_array_equal(tail, rows[BS : BS + 5])
@@ -377,35 +405,17 @@ def test_tail_after_a_gap_is_not_published(tracker: Parts, layout: R3Layout) -> 
     t, _, _ = tracker
     rows = rows_for(layout, 14, 2 * BS + 5)
     serve(t, "a", hashes("g", 1), rows, tail=TailBlock(TAIL_HASH, 2 * BS, 5))
-    assert t.tails_published == 0 and "a" not in t
+    assert t.tails_published == 0 and not tracked(t, "a")
 
 
 def test_abort_keeps_published_blocks_and_drops_the_rest(tracker: Parts, layout: R3Layout) -> None:
     t, _, _ = tracker
     rows = rows_for(layout, 12, BS + 5)
     serve(t, "a", hashes("x", 1), rows)  # aborted: no tail
-    assert t.tails_published == 0 and "a" not in t
+    assert t.tails_published == 0 and not tracked(t, "a")
     out = hit(t, "b", hashes("x", 1), BS, rows[BS:])
     assert isinstance(out, EmittedRows)
     np.testing.assert_array_equal(out.rows, rows)
-
-
-@given(
-    st.lists(
-        st.one_of(
-            st.integers(min_value=-(2**70), max_value=2**70),
-            st.integers(min_value=0, max_value=2**64 - 1),
-            st.binary(min_size=8, max_size=32),
-        ),
-        max_size=20,
-    )
-)
-def test_eviction_ids_of_a_kv_event_are_each_hashs_eviction_id(
-    block_hashes: list[bytes | int],
-) -> None:
-    """The batch form takes a shortcut for vLLM's 64-bit ints; any other hash (raw bytes,
-    ints outside 64 bits, a mix) gets the same ids as one call each."""
-    assert eviction_ids(block_hashes) == [eviction_id(h) for h in block_hashes]
 
 
 def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(
@@ -414,21 +424,20 @@ def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(
     t, store, publisher = tracker
     block_hashes = hashes("pin", 3)
     t.admit("a", 0)
-    t.add_block_hashes("a", block_hashes)
+    t.add_block_hashes({"a": block_hashes})
     step(t, "a", 0, rows_for(layout, 13, 3 * BS + 1))
     publisher.flush()
-    assert t.pinned == 3 and store.stats().pinned_objects == 3
-    # vLLM's KV events name blocks by the 64-bit id of their hash (int or raw bytes).
-    t.kv_evicted(
-        [eviction_id(block_hashes[0]), eviction_id(int.from_bytes(block_hashes[1], "big"))]
-    )
+    assert store.stats().pinned_objects == 3
+    # Evictions name KV blocks by the id ``block_id`` gives their hash.
+    t.kv_evicted([block_id(block_hashes[0]), block_id(block_hashes[1])])
     publisher.flush()
-    assert t.pinned == 1 and store.stats().pinned_objects == 1
-    t.kv_evicted([eviction_id(b"a block we never saw".ljust(32, b"."))])
-    assert t.unmatched_evictions == 1
+    assert store.stats().pinned_objects == 1
+    t.kv_evicted([block_id(b"a block we never saw".ljust(32, b"."))])  # ignored
+    publisher.flush()
+    assert store.stats().pinned_objects == 1
     t.kv_cleared()
     publisher.flush()
-    assert t.pinned == 0 and store.stats().pinned_objects == 0
+    assert store.stats().pinned_objects == 0
     # Unpinned objects stay readable until space is needed.
     assert store.exists(full_block_keys(t.namespace, block_hashes)) == [True, True, True]
 
@@ -466,7 +475,7 @@ def test_batched_steps_mixing_decode_drafts_chunks_and_hits_equal_the_truth(
         for rid in running:  # hashes of blocks completed in earlier steps arrive now
             full = min(position[rid] // BS, len(block_hashes[rid]))
             if full > hashed[rid]:
-                t.add_block_hashes(rid, block_hashes[rid][hashed[rid] : full])
+                t.add_block_hashes({rid: block_hashes[rid][hashed[rid] : full]})
                 hashed[rid] = full
         entries = []
         for rid in running:
@@ -486,18 +495,18 @@ def test_batched_steps_mixing_decode_drafts_chunks_and_hits_equal_the_truth(
             entries.append(StepRows(rid, pos, scheduled, truth[rid][pos : pos + kept], sampled))
             position[rid] = pos + kept
         t.step_started([entry.request_id for entry in entries])
-        result = t.step_finished(StepBatch.of(entries))
+        result = t.step_finished(batch_of(entries))
         assert not result.failures()
         paths["vectorized"] += len(result.decode_ids)
         paths["general"] += len(result.entries)
         for rid in list(running):
-            found = result.rows_of(rid)
+            found = result.rows_by_id().get(rid)
             if found is not None:
                 token_start, rows = found
                 assert token_start == sum(len(r) for r in emitted[rid])
                 emitted[rid].append(rows)
             if position[rid] == total and found is not None:
-                t.add_block_hashes(rid, block_hashes[rid][hashed[rid] :])  # sent with the finish
+                t.add_block_hashes({rid: block_hashes[rid][hashed[rid] :]})  # sent with the finish
                 t.finish(rid)
                 running.remove(rid)
     publisher.flush()
@@ -536,7 +545,14 @@ def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:
     layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=BS)
     store = ShmStore.create_or_open_writer(shm_root, "gil", layout=layout, capacity_bytes=64 << 20)
     publisher = _RecordingPublisher()
-    t = RequestTracker(layout, "model", store, publisher, buffer_max_bytes=64 << 20)  # type: ignore[arg-type]
+    t = RequestTracker(
+        layout,
+        "model",
+        store,
+        publisher,  # type: ignore[arg-type]
+        buffer_max_bytes=64 << 20,
+        block_id=block_id,
+    )
     n = 256
     ids = [f"r{i}" for i in range(n)]
     rng = np.random.default_rng(0)
@@ -569,7 +585,7 @@ def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:
                 rows,
             )
             before = count[0]
-            t.add_block_hashes_of(new)
+            t.add_block_hashes(new)
             t.step_started(ids)
             result = t.step_finished(batch)
             releases += count[0] - before
@@ -592,18 +608,23 @@ def test_a_keys_handles_objects_are_leased_then_released(shm_root: str, layout: 
     )
     publisher = BackgroundPublisher(store)
     t = RequestTracker(
-        layout, "model", store, publisher, buffer_max_bytes=1 << 20, lease_seconds=0.5
+        layout,
+        "model",
+        store,
+        publisher,
+        buffer_max_bytes=1 << 20,
+        block_id=block_id,
+        lease_seconds=0.5,
     )
     try:
         for rid in ("keys", "array"):
             t.admit(rid, 0)
-            t.add_block_hashes(rid, hashes(rid, 2))
+            t.add_block_hashes({rid: hashes(rid, 2)})
             step(t, rid, 0, rows_for(layout, 7, 2 * BS + 5))
         tail = TailBlock(TAIL_HASH, 2 * BS, 5)
         t.finish_all([("keys", tail), ("array", tail)], leased={"keys"})
-        t.kv_evicted([eviction_id(h) for rid in ("keys", "array") for h in hashes(rid, 2)])
+        t.kv_evicted([block_id(h) for rid in ("keys", "array") for h in hashes(rid, 2)])
         publisher.flush()
-        assert t.pinned == 0  # no KV pin left
         leased = [*full_block_keys(t.namespace, hashes("keys", 2))]
         leased.append(tail_block_key(t.namespace, TAIL_HASH, 5))
         assert publisher.leased_objects == 3

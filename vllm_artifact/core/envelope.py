@@ -21,20 +21,17 @@ not covered by the checksum.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import xxhash
 
-from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.errors import InternalError
 
 __all__ = [
     "HEADER_DTYPE",
     "HEADER_NBYTES",
     "OBJECT_MAGIC",
     "SCHEMA_VERSION",
-    "Envelope",
     "HeaderWords",
     "checksum",
     "checksum_seeds",
@@ -66,7 +63,8 @@ HEADER_DTYPE = np.dtype(
     ]
 )
 HEADER_NBYTES = HEADER_DTYPE.itemsize
-assert HEADER_NBYTES == 64
+if HEADER_NBYTES != 64:  # one cache line; HeaderWords reads it as eight words
+    raise InternalError(f"the envelope header is {HEADER_NBYTES} bytes, not 64")
 
 _M64 = (1 << 64) - 1
 _P1 = 0x9E3779B97F4A7C15
@@ -194,14 +192,14 @@ class HeaderWords:
 
     def problems(self, words: np.ndarray) -> np.ndarray:
         """Same mask as :func:`header_problems`, on words."""
-        lay = self.layout
+        layout = self.layout
         nt = words[:, 5] & _LOW32
         return (
             ((words[:, 5] >> _S32) != self._magic)
             | ((words[:, 6] & self._format_mask) != self.format_word)
-            | (nt - np.uint64(1) >= np.uint64(lay.block_size))  # n < 1 wraps around
-            | ((words[:, 7] & _LOW32) != nt * np.uint64(lay.row_nbytes))
-            | (words[:, 3] % np.uint64(lay.block_size) != 0)
+            | (nt - np.uint64(1) >= np.uint64(layout.block_size))  # n < 1 wraps around
+            | ((words[:, 7] & _LOW32) != nt * np.uint64(layout.row_nbytes))
+            | (words[:, 3] % np.uint64(layout.block_size) != 0)
         )
 
     def seeds(self, words: np.ndarray) -> list[int]:
@@ -232,43 +230,6 @@ class HeaderWords:
         w[:, 6] = self.format_word
         w[:, 7] = nt * np.uint64(self.layout.row_nbytes)
         return w
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """Decoded envelope of one object (for inspection and tests)."""
-
-    key: ObjectKey
-    token_start: int
-    n_tokens: int
-    schema_version: int
-    dtype_code: int
-    num_layers: int
-    top_k: int
-    payload_nbytes: int
-    checksum: int
-    seq: int
-
-    @classmethod
-    def from_header(cls, header: np.void) -> Envelope:
-        key = int(header["key0"]).to_bytes(8, "little") + int(header["key1"]).to_bytes(8, "little")
-        return cls(
-            key=ObjectKey(key),
-            token_start=int(header["token_start"]),
-            n_tokens=int(header["n_tokens"]),
-            schema_version=int(header["schema_version"]),
-            dtype_code=int(header["dtype_code"]),
-            num_layers=int(header["num_layers"]),
-            top_k=int(header["top_k"]),
-            payload_nbytes=int(header["payload_nbytes"]),
-            checksum=int(header["checksum"]),
-            seq=int(header["seq"]),
-        )
-
-    @property
-    def token_range(self) -> tuple[int, int]:
-        """Half-open token range ``[start, stop)`` covered by the object."""
-        return (self.token_start, self.token_start + self.n_tokens)
 
 
 def fill_headers(

@@ -23,9 +23,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
+from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.integration.hooks import require_attributes
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
-from vllm_artifact.integration.transport import RequestFailure
 
 logger = logging.getLogger("vllm.artifact.scheduler")
 
@@ -95,7 +95,7 @@ class _ArtifactSchedulerMixin:
         return outputs
 
     def _fail_late(
-        self, outputs: dict[int, EngineCoreOutputs], failures: dict[str, RequestFailure]
+        self, outputs: dict[int, EngineCoreOutputs], failures: dict[str, R3Failure]
     ) -> None:
         """Requests whose rows our connector could not take during vLLM's processing: one that
         finished in this step gets its terminal output turned into the error (never answered
@@ -119,7 +119,7 @@ class _ArtifactSchedulerMixin:
 
     @staticmethod
     def _append_error_output(
-        outputs: dict[int, EngineCoreOutputs], request: Any, failure: RequestFailure
+        outputs: dict[int, EngineCoreOutputs], request: Any, failure: R3Failure
     ) -> None:
         engine_outputs = outputs.get(request.client_index)
         if engine_outputs is None:
@@ -137,7 +137,7 @@ class _ArtifactSchedulerMixin:
         _log_failed(request.request_id, failure)
 
 
-def _log_failed(request_id: str, failure: RequestFailure) -> None:
+def _log_failed(request_id: str, failure: R3Failure) -> None:
     logger.warning(
         "vllm-artifact: request %s finished with an error (%s); the engine goes on",
         request_id,

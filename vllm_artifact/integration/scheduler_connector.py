@@ -13,14 +13,16 @@ request's executed tokens) and adds what the Artifact Connector needs:
 * a request that asks for ``routed_experts_format="keys"`` gets, instead of its rows, an
   :class:`~vllm_artifact.core.handoff.R3Keys` handle on its terminal output (the keys of its
   blocks in rank zero's store); its rows are never shipped to the frontend;
-* a worker-reported :class:`RequestFailure` is recorded instead of tripping vLLM's assertion
-  (which would kill the engine); the scheduler then finishes that request with an error.
+* a worker-reported :class:`~vllm_artifact.core.failure.R3Failure` is recorded instead of
+  tripping vLLM's assertion (which would kill the engine); the scheduler then finishes that
+  request with an error.
 
 Two of vLLM's methods are replaced with leaner versions of the same contract, because they run
 for every scheduled request on every step (benchmarks/bench_connector_step.py):
 ``build_connector_meta`` sends a request's emit start only when the worker first sees it (our
 worker reads it only then) and packs hashes only for requests that have new ones;
-``take_output`` reads the worker's column-wise :class:`StepResult`.
+``take_output`` reads the worker's column-wise :class:`~vllm_artifact.contract.StepResult`.
+When vLLM calls each method, and on which thread, is in :mod:`vllm_artifact.contract`.
 
 Everything here is O(new hashes + scheduled requests) per step; nothing proportional to a
 request's length runs at terminal time.
@@ -30,24 +32,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.distributed.aux_output_connector.connector import (
-    AuxOutputConnectorMetadata,
     AuxOutputSchedulerConnector,
     PackedBlockHashes,
 )
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
-from vllm.v1.request import RequestStatus
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request, RequestStatus
 
+from vllm_artifact.contract import SchedulerConnector, StepResult, TailBlock
+from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys, RowsDigest
 from vllm_artifact.core.keys import KeyCache, ObjectKey, check_weight_version, tail_block_key
-from vllm_artifact.core.tracker import StepResult, TailBlock, eviction_ids
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
-from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure
+from vllm_artifact.integration.kv_events import eviction_ids
+from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
 logger = logging.getLogger("vllm.artifact.scheduler")
 
@@ -109,7 +113,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         self._key_cache = KeyCache()
         # Requests whose rows could not be taken this step (a broken invariant of ours): the
         # scheduler fails them after vLLM's processing of the step (take_late_failures).
-        self._late_failures: dict[str, RequestFailure] = {}
+        self._late_failures: dict[str, R3Failure] = {}
 
     def observe_kv_events(self, events: list[Any] | None) -> None:
         """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
@@ -120,7 +124,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                 self._kv_cleared = True
                 self._kv_evicted.clear()
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Request) -> None:
         """Also hash the terminal partial block of a request that finished normally."""
         if (
             request.status in _PUBLISH_TAIL_STATUSES
@@ -158,27 +162,12 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         a version keys cannot carry raises here, before any step uses it."""
         self.weight_version = check_weight_version(weight_version)
 
-    def build_connector_meta(  # type: ignore[override]
-        self, scheduler_output: Any, requests: dict[str, Any]
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> ArtifactStepMetadata:
-        tails, self._tails = self._tails, {}
-        evicted, self._kv_evicted = self._kv_evicted, []
-        cleared, self._kv_cleared = self._kv_cleared, False
-        leases, self._leases = self._leases, []
-        return ArtifactStepMetadata(
-            step=self._step_metadata(scheduler_output.num_scheduled_tokens, requests),
-            weight_version=self.weight_version,
-            tails=tails,
-            kv_evicted=evicted,
-            kv_cleared=cleared,
-            leases=leases,
-        )
-
-    def _step_metadata(
-        self, scheduled: dict[str, int], requests: dict[str, Any]
-    ) -> AuxOutputConnectorMetadata:
-        """vLLM's per-step metadata: emit starts of requests the worker has not seen (or that
-        come back after preemption), new block hashes, finished requests."""
+        """vLLM's per-step metadata (emit starts of requests the worker has not seen or that
+        come back after preemption, new block hashes, finished requests) and ours."""
+        scheduled = scheduler_output.num_scheduled_tokens
         sent = self._sent_hash_counts
         new_requests: dict[str, int] = {}
         hashes: dict[str, PackedBlockHashes] = {}
@@ -193,7 +182,8 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                 num_sent = sent[request_id] = 0
                 request = requests[request_id]
                 new_requests[request_id] = _emit_start(request)
-                extra_args = request.sampling_params.extra_args
+                params = request.sampling_params
+                extra_args = params.extra_args if params is not None else None
                 if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
                     self._keys_requests.setdefault(request_id, [])  # kept across preemption
             if len(block_hashes) != num_sent:
@@ -210,7 +200,21 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
                     sent[request_id] = len(block_hashes)
         finished, self._finished_requests = self._finished_requests, {}
         hashes.update((rid, packed) for rid, packed in finished.items() if packed is not None)
-        return AuxOutputConnectorMetadata(self._generation, new_requests, hashes, tuple(finished))
+        tails, self._tails = self._tails, {}
+        evicted, self._kv_evicted = self._kv_evicted, []
+        cleared, self._kv_cleared = self._kv_cleared, False
+        leases, self._leases = self._leases, []
+        return ArtifactStepMetadata(
+            self._generation,
+            new_requests,
+            hashes,
+            tuple(finished),
+            weight_version=self.weight_version,
+            tails=tails,
+            kv_evicted=evicted,
+            kv_cleared=cleared,
+            leases=leases,
+        )
 
     def _pack(self, block_hashes: Any, num_sent: int) -> PackedBlockHashes:
         """The hashes after the first ``num_sent`` (there are some), packed by vLLM."""
@@ -219,7 +223,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             raise InternalError(f"vLLM packed no block hashes after the first {num_sent}")
         return packed
 
-    def observe_step(self, output: StepResult | None) -> dict[str, RequestFailure]:
+    def observe_step(self, output: object) -> dict[str, R3Failure]:
         """Every worker step output passes here first (also steps that sample nothing, whose
         rows vLLM never takes): keep rank zero's key context; return the failed requests."""
         if not isinstance(output, StepResult):
@@ -228,9 +232,11 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             self._keys_context = output.keys_context
         return output.failures()
 
-    def take_output(self, request: Any, output: StepResult | None) -> np.ndarray | None:  # type: ignore[override]
+    def take_output(self, request: Request, output: object) -> np.ndarray | None:
         """This step's rows of ``request`` up to its last executed token; None when there
-        are none (or it failed). vLLM calls this once per request with the same step output,
+        are none (or it failed). ``output`` is what the worker's step output carries (vLLM
+        declares its own type there; ours is a :class:`StepResult`, checked once per step).
+        vLLM calls this once per request with the same step output,
         so the step's lookup table is built once. Runs inside vLLM's ``update_from_output``:
         it never raises (that would kill the engine); a request whose rows cannot be taken
         is failed after the step (:meth:`take_late_failures`)."""
@@ -249,15 +255,20 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             self._late_failures[request.request_id] = _internal_failure(request, error)
             return None
 
-    def take_late_failures(self) -> dict[str, RequestFailure]:
+    def take_late_failures(self) -> dict[str, R3Failure]:
         """Requests :meth:`take_output` could not serve this step (usually none)."""
         if not self._late_failures:
             return {}
         failures, self._late_failures = self._late_failures, {}
         return failures
 
-    def _new_step_output(self, output: StepResult | None) -> None:
+    def _new_step_output(self, output: object) -> None:
         """The step's rows by request id; keys-only requests take none (their handle instead)."""
+        if output is not None and not isinstance(output, StepResult):
+            raise InternalError(
+                f"the worker's step output is a {type(output).__name__}, not vllm-artifact's "
+                "StepResult (the worker connector is not ours)"
+            )
         self._step_output = output
         step_rows = {} if output is None else output.rows_by_id()
         self._keys_rows = {}
@@ -355,12 +366,12 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
         return handle.to_transport()
 
 
-def _internal_failure(request: Any, error: Exception) -> RequestFailure:
+def _internal_failure(request: Any, error: Exception) -> R3Failure:
     """A request failed by a broken invariant of ours: logged with its trace, answered with
     a message that says so."""
     logger.exception("vllm-artifact: R3 of request %s cannot be delivered", request.request_id)
     reason = error.reason if isinstance(error, ArtifactError) else "internal"
-    return RequestFailure(
+    return R3Failure(
         reason,
         f"R3 (routed experts) for request {request.request_id} is unavailable ({reason}): "
         f"{error} (an internal error of vllm-artifact: please report it)",
@@ -374,3 +385,7 @@ def _emit_start(request: Any) -> int:
         request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens
     )
     return max(prompt_start, 0 if request.num_output_tokens == 0 else request.num_tokens - 1)
+
+
+if TYPE_CHECKING:  # mypy holds the class to the contract's protocol
+    _connector: type[SchedulerConnector] = ArtifactSchedulerConnector

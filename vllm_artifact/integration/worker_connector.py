@@ -1,10 +1,9 @@
 """Worker side of the Artifact Connector: capture on every TP rank, one writer on rank zero.
 
-Runs inside vLLM's Model Runner V2 (installed by ``hooks/worker_factory.py``) with the duck
-type MRV2 expects from its AuxOutput connector: ``begin_step(metadata)`` before the forward,
-``prepare_output(input_batch)`` after it (returns a pending step whose ``enqueue_cpu_copy`` runs
-on the copy stream and whose ``process_output`` yields the step's per-request result), and
-``close()``.
+Runs inside vLLM's Model Runner V2 (installed by ``hooks/worker_factory.py``) as the
+:class:`~vllm_artifact.contract.WorkerConnector` it expects (``begin_step``, ``prepare_output``,
+``close``; the pending step is a :class:`~vllm_artifact.contract.PendingStep`); when and on
+which thread MRV2 calls each is in :mod:`vllm_artifact.contract`.
 
 vLLM's ``RoutedExpertsCapturer`` writes each step's router top-k on every TP rank (capture joins
 TP collectives). On TP rank zero this module cuts each request's rows out of the step (dropping
@@ -20,22 +19,30 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from vllm_artifact.contract import PendingStep, StepResult, WorkerConnector
+from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext, StoreAddress
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.store import ShmStore, check_shm_space
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
-from vllm_artifact.core.tracker import RequestTracker, StepBatch
+from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.errors import InternalError
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.engine_store import open_engine_store
+from vllm_artifact.integration.kv_events import eviction_id
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
-from vllm_artifact.integration.transport import ArtifactStepMetadata, RequestFailure, StepResult
+from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
+
+if TYPE_CHECKING:
+    from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
+    from vllm.v1.worker.gpu.input_batch import InputBatch
 
 logger = logging.getLogger("vllm.artifact.worker")
 
@@ -143,6 +150,7 @@ class ArtifactWorkerConnector:
                 self._layout.block_nbytes * 4 * scheduler_config.max_num_seqs,
                 scheduler_config.max_num_batched_tokens * self._layout.row_nbytes * 4,
             ),
+            block_id=eviction_id,
             lease_seconds=config.keys_lease_seconds,
         )
         self._keys_context = KeysContext(
@@ -231,33 +239,37 @@ class ArtifactWorkerConnector:
 
     # ------------------------------------------------------------ step hooks
 
-    def begin_step(self, metadata: ArtifactStepMetadata | None) -> None:
+    def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
         """Apply the scheduler's request, block-hash and finish updates for this step."""
         self._step_active = metadata is not None
         tracker = self._tracker
         if tracker is None or metadata is None:
             return
-        step = metadata.step
+        if not isinstance(metadata, ArtifactStepMetadata):
+            raise InternalError(
+                f"the step metadata is a {type(metadata).__name__}, not vllm-artifact's "
+                "(the scheduler is not ours: see --enable-routed-experts)"
+            )
         with self._lock:
             if tracker.set_weight_version(metadata.weight_version):
                 logger.info("vllm-artifact: weight version now %r", metadata.weight_version)
-            if step.generation != self._generation:
+            if metadata.generation != self._generation:
                 tracker.reset()  # vLLM resets the prefix cache only with no output in flight
-                self._generation = step.generation
-            for request_id, emit_start in step.requests.items():
+                self._generation = metadata.generation
+            for request_id, emit_start in metadata.requests.items():
                 tracker.admit(request_id, int(emit_start))
-            tracker.add_block_hashes_of(step.block_hashes)
+            tracker.add_block_hashes(metadata.block_hashes)
             # After publishing (and pinning) newly keyed blocks: a block may be evicted already.
             if metadata.kv_cleared:
                 tracker.kv_cleared()
             tracker.kv_evicted(metadata.kv_evicted)
             tails = metadata.tails
             tracker.finish_all(
-                ((rid, tails.get(rid)) for rid in step.finished_requests),
+                ((rid, tails.get(rid)) for rid in metadata.finished_requests),
                 leased=frozenset(metadata.leases),
             )
 
-    def prepare_output(self, input_batch: Any) -> PendingArtifactStep | None:
+    def prepare_output(self, input_batch: InputBatch) -> PendingArtifactStep | None:
         """Snapshot this step's rows for the asynchronous copy (rank zero only)."""
         if self._tracker is None or not self._step_active:
             return None
@@ -283,7 +295,7 @@ class ArtifactWorkerConnector:
             return self._process_output(pending)
         except Exception as error:
             logger.exception("vllm-artifact: a step's R3 could not be processed")
-            failure = RequestFailure(
+            failure = R3Failure(
                 "internal",
                 f"R3 (routed experts) of this step could not be processed: {error} (an internal "
                 "error of vllm-artifact: please report it)",
@@ -323,3 +335,8 @@ class ArtifactWorkerConnector:
             if self._store is not None:
                 self._store.close()
                 self._store = None
+
+
+if TYPE_CHECKING:  # mypy holds both classes to the contract's protocols
+    _connector: type[WorkerConnector] = ArtifactWorkerConnector
+    _pending: type[PendingStep] = PendingArtifactStep

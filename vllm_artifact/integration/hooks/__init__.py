@@ -368,7 +368,7 @@ def apply_all() -> bool:
 
     problem = support().problem()
     if problem is not None:
-        logger.warning("vllm-artifact: %s (hooks not installed)", problem)
+        logger.warning("vllm-artifact: hooks not installed: %s", problem)
         try:
             from vllm_artifact.integration.hooks import engine_args
         except VllmIncompatibleError as error:

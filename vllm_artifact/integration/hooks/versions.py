@@ -66,8 +66,14 @@ class VllmSupport:
             return False
 
     def wanted(self) -> str:
-        """The supported range in words, e.g. ``vLLM ==0.32.0``."""
-        return f"vLLM {self.specifier}" if self.specifier else "an unknown vLLM range"
+        """The supported range in words: ``vLLM 0.32.0`` for one release, else the
+        specifier (``vLLM <0.33,>=0.32.0``)."""
+        if not self.specifier:
+            return "an unknown vLLM range"
+        specs = list(self.specifier)
+        if len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version:
+            return f"vLLM {specs[0].version}"
+        return f"vLLM {self.specifier}"
 
     def install_hint(self) -> str:
         return f"pip install '{self.distribution}{self.specifier or ''}'"

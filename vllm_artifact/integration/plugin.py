@@ -11,6 +11,7 @@ logger = logging.getLogger("vllm.artifact")
 
 
 def register() -> None:
-    """Install vllm-artifact's hooks; idempotent, logs once per process."""
+    """Install vllm-artifact's hooks; idempotent, logs once per process. On a vLLM outside
+    the supported range it installs only the check that refuses R3 (and logs why)."""
     if apply_all():
         logger.info("vllm-artifact: hooks installed (--enable-routed-experts available)")

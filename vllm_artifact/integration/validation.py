@@ -28,6 +28,7 @@ from vllm_artifact.errors import (
     UnsafeRootError,
 )
 from vllm_artifact.integration.config import ArtifactConfig
+from vllm_artifact.integration.hooks.versions import check_supported
 
 __all__ = [
     "ASYNC_SCHEDULER_CLS",
@@ -118,9 +119,12 @@ _UPSTREAM_PD = re.compile(r"incompatible with (\w+); PD auxiliary output is not 
 
 
 def check_before_config(*, enabled: bool) -> None:
-    """Checks that need only the environment (run before vLLM builds its config)."""
+    """Checks that need only the environment (run before vLLM builds its config): the vLLM
+    version first (``VllmIncompatibleError`` naming the supported range), then the model
+    runner."""
     if not enabled:
         return
+    check_supported()
     import vllm.envs as envs
 
     if envs.VLLM_USE_V2_MODEL_RUNNER is False:

@@ -1,138 +1,381 @@
-"""Every hook vllm-artifact installs into vLLM, in one place.
+"""Every place vllm-artifact touches vLLM, in one registry: :data:`PATCHES`.
 
-Each hook lives in its own module, replaces as little as possible, and checks at import time
-(:func:`require`, a typed error) that the vLLM name it wraps still exists (so a vLLM upgrade
-fails loudly at startup instead of silently skipping the hook). All hooks are applied by
-:func:`apply_all`, which the ``vllm.general_plugins`` entry point calls in every vLLM process
-(engine processes are spawned, so a patch made only in the parent would be lost).
-``docs/vllm-hooks.md`` has the same table.
+Each entry names the vLLM names (``targets``), what we do to them (``kind``), which module of
+ours does it (``hook``), and why, how, the upstream status and the plan for removing it. The
+registry is data: ``tests/integration/test_patch_registry.py`` compares it with what the
+plugin really installs (:data:`~vllm_artifact.integration.hooks.patching.INSTALLED`), with
+our subclasses' overrides and with the private vLLM names our code uses, so an entry cannot
+go missing or stay after its patch is gone.
 
-engine_args (``vllm.engine.arg_utils.EngineArgs``; checked against vLLM 0.32.0)
-    Why: ``--enable-routed-experts``, the ``--artifact-*`` store options and their ``LLM(...)``
-    keywords; startup checks must run before engine processes start.
-    How: wraps ``add_cli_args`` (adds the flags), ``from_cli_args`` and ``__init__`` of
-    ``EngineArgs``/``AsyncEngineArgs`` (map our options onto vLLM's
-    ``enable_return_routed_experts`` plus ``additional_config["vllm_artifact"]``) and
-    ``create_engine_config`` (startup refusals; selects our scheduler through vLLM's own
-    ``scheduler_config.scheduler_cls``, which is configuration, not a patch).
-    Future: a config-extension API upstream would make this unnecessary.
+Rules: patch only what no configuration or plugin API reaches; every wrap calls the original
+and passes through unchanged with R3 off; every patched name is checked when the hook is
+installed (:func:`require`, a typed error, so a vLLM upgrade fails at startup instead of
+silently skipping a hook). The supported vLLM versions are declared once, in the package
+metadata (``hooks/versions.py``); on any other version only the ``engine_args`` hook is
+installed, which refuses R3 with the supported range.
 
-worker_factory (``vllm.v1.worker.gpu.model_runner.get_aux_output_connector``; vLLM 0.32.0)
-    Why: Model Runner V2 must build our worker connector (rank-zero store, fail-closed reads)
-    instead of vLLM's in-process one.
-    How: replaces that module global with a factory of the same signature.
-    Future: a connector registry upstream would replace this.
-
-weight_version (``EngineCore.set_weight_version``, ``LLMEngine.set_weight_version``,
-    ``AsyncLLM.update_weight_version`` and ``finish_weight_update``,
-    ``RLOfflineMixin.finish_weight_update``; vLLM 0.32.0)
-    Why: object keys must include the weight version, which vLLM keeps on the EngineCore only;
-    vLLM accepts any string, ours must be one a key can carry.
-    How: every setter checks the version first (a bad one raises ``WeightVersionError``: HTTP
-    400, offline raised; the engine keeps its version); EngineCore's also tells our scheduler
-    connector.
-
-request_errors (``RequestState.make_request_output``, ``GenerateBaseServing._raise_if_error``;
-    vLLM 0.32.0)
-    Why: vLLM answers every errored request with HTTP 500 "Internal server error"; a request
-    failed for R3 reasons must say why and what to do.
-    How: our failures (finish reason ``error``, message in ``stop_reason``) are remembered by
-    request id in the frontend and raise ``GenerationError`` (HTTP 500) with our message.
-
-keys_handoff (``InputProcessor._validate_params``, ``CompletionRequest.to_sampling_params``,
-    ``ChatCompletionRequest.to_sampling_params``; vLLM 0.32.0)
-    Why: a request can ask for its R3 as store keys (``routed_experts_format="keys"``).
-    How: the option is validated with vLLM's own parameter checks (HTTP 400, on the OpenAI
-    server before a stream starts).
-
-keys_answer (``AsyncLLM.generate``, ``OfflineInferenceMixin._run_engine``; vLLM 0.32.0)
-    Why: a keys handle must resolve to exactly its request's rows: its last objects are
-    published a step after the answer, a failed publication leaves them absent, and a key
-    another request published first with other routing names that request's rows.
-    How: before a finished output leaves the frontend, its handles are read back (waiting,
-    bounded, for publication; the rows' digest checked); one that does not resolve fails its
-    request closed.
-
-terminal_output (``RequestState._new_completion_output``; ``vllm.utils.serial_utils.numpy2base64``
-    and its copies in the completions, chat and token-in/token-out serving modules; module
-    global ``JSONResponse`` of their API router modules; vLLM 0.32.0)
-    Why: vLLM's encoding of a finished request's R3 (``np.save`` into a ``BytesIO``, then
-    base64 and ``.decode``) makes three passes over many MiB, and Starlette's ``json.dumps``
-    then scans every character of the base64 again (22-39 ms for 19 MiB); keys handles need
-    their own form.
-    How: the per-step chunks are concatenated into the data part of a complete ``.npy`` file
-    and that file is base64-encoded straight to ``str`` (same text, no further copy); the
-    handle our scheduler connector sends in vLLM's routed-experts transport becomes an
-    ``R3Keys`` on the completion and its JSON text in the response; the routers' JSON
-    response joins the base64 into the rendered text (same bytes). Serving and router
-    modules are never imported by the hook (an import cycle vLLM may be in the middle of):
-    ``numpy2base64`` is wrapped at its source, routers when they load (``after_import``).
-
-early_import (``vllm.platform_plugins`` entry point; checked against vLLM 0.32.0)
-    Why: ``LLM(enable_routed_experts=True)`` builds ``EngineArgs`` before vLLM loads general
-    plugins, so the keyword would be rejected on the first call in a process.
-    How: vLLM calls platform plugins while resolving ``current_platform``, which
-    ``from vllm import LLM`` does before ``vllm.engine.arg_utils`` is imported; the hook (which
-    never claims a platform) arranges for :func:`apply_all` to run right after that module
-    loads. Not reached when ``VLLM_TARGET_DEVICE=cpu`` is set (vLLM then skips platform
-    plugins); ``import vllm_artifact.integration.plugin`` before ``LLM(...)`` covers that case.
+:func:`apply_all` installs the hooks; vLLM calls it in every process through the
+``vllm.general_plugins`` entry point (``plugin.register``; engine processes are spawned, so a
+patch made only in the parent would be lost).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
 
 from vllm_artifact.errors import VllmIncompatibleError
+from vllm_artifact.integration.hooks.patching import (
+    INSTALLED,
+    WRAPPED_MARK,
+    require,
+    require_attributes,
+    wrap_once,
+)
+
+__all__ = [
+    "INSTALLED",
+    "PATCHES",
+    "WRAPPED_MARK",
+    "Kind",
+    "Patch",
+    "apply_all",
+    "require",
+    "require_attributes",
+    "wrap_once",
+]
+
+logger = logging.getLogger("vllm.artifact")
+
+
+class Kind(StrEnum):
+    WRAP = "wrap"  # replaced (wrap_once) by ours, which calls or extends the original
+    REPLACE = "replace"  # replaced (wrap_once) by ours; the original never runs
+    OVERRIDE = "override"  # a method of a vLLM class that our subclass overrides
+    INSTANCE = "instance"  # an attribute of one vLLM object, changed at runtime
+    PRIVATE = "private"  # a vLLM internal we read or call as it is
+    CARRIES = "carries"  # a vLLM field that carries a value of our type
+    ENTRY_POINT = "entry_point"  # a vLLM plugin entry-point group we register in
+
+
+@dataclass(frozen=True)
+class Patch:
+    hook: str  # our module that does it (vllm_artifact/integration/**/<hook>.py)
+    kind: Kind
+    targets: tuple[str, ...]  # dotted names in vLLM (entry points: the group)
+    why: str
+    how: str
+    upstream: str  # a vLLM issue or pull request, or why there is none
+    removal: str
+
+
+_ARGS = "vllm.engine.arg_utils"
+_ASYNC_LLM = "vllm.v1.engine.async_llm.AsyncLLM"
+_STATE = "vllm.v1.engine.output_processor.RequestState"
+_CONNECTOR = "vllm.distributed.aux_output_connector.connector.AuxOutputSchedulerConnector"
+_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+_OPENAI = "vllm.entrypoints.openai"
+_TITO = "vllm.entrypoints.scale_out.token_in_token_out"
+_FRONTENDS = (f"{_OPENAI}.completion", f"{_OPENAI}.chat_completion", _TITO)
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        hook="engine_args",
+        kind=Kind.WRAP,
+        targets=(
+            f"{_ARGS}.EngineArgs.add_cli_args",
+            f"{_ARGS}.EngineArgs.from_cli_args",
+            f"{_ARGS}.EngineArgs.__init__",
+            f"{_ARGS}.AsyncEngineArgs.__init__",
+            f"{_ARGS}.EngineArgs.create_engine_config",
+        ),
+        why="--enable-routed-experts, the --artifact-* store options and their LLM(...) "
+        "keywords must exist on vLLM's own parser and EngineArgs; startup refusals (the "
+        "vLLM version first) must run in the frontend before any engine process starts.",
+        how="Each wrapper calls the original. add_cli_args adds our argument group; "
+        "from_cli_args and __init__ map our options onto enable_return_routed_experts and "
+        'additional_config["vllm_artifact"] (options.py); create_engine_config runs the '
+        "startup checks (validation.py), selects our scheduler through vLLM's "
+        "scheduler_config.scheduler_cls and registers the store metrics. With R3 off and "
+        "none of our options the arguments reach vLLM unchanged.",
+        upstream="None found: vLLM has no plugin API for CLI options or keywords; the "
+        "closest is vllm-project/vllm#18179 (OpenAI server plugins, a prototype, open).",
+        removal="An option-and-validation hook for general plugins upstream; until then the "
+        "wraps stay thin (the logic is in options.py and validation.py).",
+    ),
+    Patch(
+        hook="validation",
+        kind=Kind.PRIVATE,
+        targets=("vllm.config.vllm.VllmConfig._verify_aux_output_compatibility",),
+        why="vLLM's own routed-experts refusals are plain ValueErrors in its words; ours "
+        "say which flag to change.",
+        how="translate_upstream_error matches their message text; a message that changed "
+        "reaches the user as vLLM wrote it.",
+        upstream="None: vLLM raises untyped ValueErrors for configuration conflicts.",
+        removal="Drop the rewording once vLLM's messages name the flag to change.",
+    ),
+    Patch(
+        hook="worker_factory",
+        kind=Kind.REPLACE,
+        targets=("vllm.v1.worker.gpu.model_runner.get_aux_output_connector",),
+        why="Model Runner V2 must build our worker connector (capture on every TP rank, "
+        "rank-zero buffer, /dev/shm store, background publisher, fail-closed prefix reads) "
+        "instead of vLLM's in-process AuxOutput worker connector.",
+        how="The module global that GPUModelRunner.initialize_kv_cache calls (after KV "
+        "sizing, before warm-up, with routed experts on) becomes a factory of the same "
+        "signature (checked at install) that returns ArtifactWorkerConnector; vLLM's "
+        "RoutedExpertsCapturer is used as is.",
+        upstream="vllm-project/vllm#45635 (merged) added the AuxOutput connector with one "
+        "built-in backend; no setting names an out-of-tree connector class.",
+        removal="A connector-class setting upstream (as KV connectors have) makes this "
+        "configuration.",
+    ),
+    Patch(
+        hook="scheduler",
+        kind=Kind.OVERRIDE,
+        targets=(
+            f"{_SCHEDULER}.__init__",
+            f"{_SCHEDULER}.update_from_output",
+            "vllm.v1.core.sched.async_scheduler.AsyncScheduler.__init__",
+        ),
+        why="The scheduler must build our scheduler connector, and a request whose R3 "
+        "cannot be delivered completely must finish with an error before vLLM processes "
+        "the step (never answered with partial R3) while the engine serves the rest.",
+        how="ArtifactScheduler and ArtifactAsyncScheduler (scheduler.py), selected through "
+        "vLLM's SchedulerConfig.scheduler_cls (configuration, set by "
+        "validation.set_scheduler_cls): __init__ swaps in our connector; update_from_output "
+        "finishes failed requests with FINISHED_ERROR, then runs vLLM's.",
+        upstream="None found: vLLM's connector output has no per-request failure path (a "
+        "worker error trips an assertion that kills the engine).",
+        removal="Connector-reported request failures and a connector-class setting upstream.",
+    ),
+    Patch(
+        hook="scheduler",
+        kind=Kind.INSTANCE,
+        targets=(
+            "vllm.v1.core.kv_cache_manager.KVCacheManager.take_events",
+            "vllm.v1.core.block_pool.BlockPool.enable_kv_cache_events",
+        ),
+        why="The worker unpins a store object once no KV block can hit it, which only "
+        "vLLM's KV cache events (block removals) tell.",
+        how="On its own scheduler instance: turns the block pool's events on and wraps "
+        "kv_cache_manager.take_events (both checked to exist); our connector sees every "
+        "event, vLLM's publisher gets them only if the user configured KV events.",
+        upstream="None found: KV events go only to vLLM's ZMQ publisher.",
+        removal="An in-process KV event subscription upstream.",
+    ),
+    Patch(
+        hook="scheduler_connector",
+        kind=Kind.OVERRIDE,
+        targets=(
+            f"{_CONNECTOR}.__init__",
+            f"{_CONNECTOR}.request_finished",
+            f"{_CONNECTOR}.build_connector_meta",
+            f"{_CONNECTOR}.take_output",
+        ),
+        why="vLLM's transport (block-hash shipping, emit cursors) is reused, but each step "
+        "must also carry the weight version, terminal partial-block hashes, KV evictions "
+        "and key leases, and a keys-only request gets a handle instead of rows.",
+        how="ArtifactSchedulerConnector subclasses it: build_connector_meta wraps vLLM's "
+        "metadata in ArtifactStepMetadata (emit starts only for requests the worker has not "
+        "seen); take_output reads our column-wise StepResult and never raises into vLLM; "
+        "request_finished also hashes the tail block; __init__ checks the private state "
+        "below.",
+        upstream="vllm-project/vllm#45635 (merged) introduced the connector; "
+        "vllm-project/vllm#58150 (merged) narrowed its KV-connector restrictions; none adds "
+        "extension points.",
+        removal="Per-step metadata extension and failure reporting in the connector API.",
+    ),
+    Patch(
+        hook="scheduler_connector",
+        kind=Kind.PRIVATE,
+        targets=(
+            f"{_CONNECTOR}._sent_hash_counts",
+            f"{_CONNECTOR}._finished_requests",
+            f"{_CONNECTOR}._generation",
+            f"{_CONNECTOR}._pack_new_hashes",
+        ),
+        why="Our build_connector_meta replaces vLLM's and must keep its bookkeeping as "
+        "vLLM's does, so the inherited request_finished and reset stay right.",
+        how="Read and updated as vLLM's own method does; their types are checked when the "
+        "connector is built (VllmIncompatibleError).",
+        upstream="None: vLLM's internals.",
+        removal="Goes with the build_connector_meta override.",
+    ),
+    Patch(
+        hook="transport",
+        kind=Kind.CARRIES,
+        targets=(
+            "vllm.v1.core.sched.output.SchedulerOutput.aux_output_connector_metadata",
+            "vllm.v1.outputs.ModelRunnerOutput.aux_output_connector_output",
+            "vllm.v1.engine.EngineCoreOutput.routed_experts",
+        ),
+        why="Our scheduler and worker connectors exchange more than vLLM's types hold.",
+        how="ArtifactStepMetadata and StepResult ride in vLLM's connector fields, pickled "
+        "across processes and read only by our connectors (vLLM types the output as a dict "
+        "of AuxRequestOutput: its Ray executor iterates it and is not supported). A "
+        "keys-only request's terminal output carries a [1, n] uint8 array (R3 rows are "
+        "3-D) that terminal_output turns into an R3Keys.",
+        upstream="None: the fields are typed for vLLM's own connector.",
+        removal="Typed extension fields upstream.",
+    ),
+    Patch(
+        hook="weight_version",
+        kind=Kind.WRAP,
+        targets=(
+            "vllm.v1.engine.core.EngineCore.set_weight_version",
+            "vllm.v1.engine.llm_engine.LLMEngine.set_weight_version",
+            f"{_ASYNC_LLM}.update_weight_version",
+            f"{_ASYNC_LLM}.finish_weight_update",
+            "vllm.entrypoints.rl.offline.RLOfflineMixin.finish_weight_update",
+        ),
+        why="Object keys include the weight version, which vLLM keeps only on the "
+        "EngineCore and accepts as any string; one keys cannot carry (empty, over 4096 "
+        "characters, invalid Unicode) would kill the engine at its next step.",
+        how="Every setter checks the version first (WeightVersionError: HTTP 400; the "
+        "engine keeps its version); EngineCore's then tells our scheduler connector, which "
+        "ships it with each step. Frontend setters are patched when vLLM loads their module.",
+        upstream="vllm-project/vllm#49040 (merged) added the weight-version API; "
+        "vllm-project/vllm#54443 (RFC, open) proposes per-request attribution.",
+        removal="The EngineCore wrap goes once vLLM hands the version to connectors; the "
+        "checks stay while vLLM accepts any string.",
+    ),
+    Patch(
+        hook="request_errors",
+        kind=Kind.WRAP,
+        targets=(
+            f"{_STATE}.make_request_output",
+            "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error",
+        ),
+        why='vLLM answers every errored request with HTTP 500 "Internal server error"; a '
+        "request failed for R3 reasons must say why and what to do.",
+        how="Our failures (finish reason error, message in stop_reason) are remembered by "
+        "request id in the frontend and counted by reason; _raise_if_error raises vLLM's "
+        "GenerationError with our message.",
+        upstream="vllm-project/vllm#37148 (merged) maps FINISHED_ERROR to GenerationError "
+        "with a generic message; none carries the reason.",
+        removal="An error message on FINISHED_ERROR outputs upstream.",
+    ),
+    Patch(
+        hook="keys_handoff",
+        kind=Kind.WRAP,
+        targets=(
+            "vllm.v1.engine.input_processor.InputProcessor._validate_params",
+            f"{_OPENAI}.completion.protocol.CompletionRequest.to_sampling_params",
+            f"{_OPENAI}.chat_completion.protocol.ChatCompletionRequest.to_sampling_params",
+        ),
+        why='A request may ask for its R3 as store keys (routed_experts_format="keys" in '
+        "extra_args / vllm_xargs); a bad value must be refused before the request reaches "
+        "the engine and before a stream starts.",
+        how="The option is checked where vLLM checks its own sampling parameters "
+        "(VLLMValidationError: HTTP 400).",
+        upstream="vllm-project/vllm#16862 (merged) passes vllm_xargs into extra_args; "
+        "vllm-project/vllm#17191 (RFC, open) proposes validating them against a declared "
+        "model.",
+        removal="A declared, validated extra-args schema upstream.",
+    ),
+    Patch(
+        hook="keys_answer",
+        kind=Kind.WRAP,
+        targets=(
+            f"{_ASYNC_LLM}.generate",
+            "vllm.entrypoints.common.offline.OfflineInferenceMixin._run_engine",
+        ),
+        why="A keys handle must resolve to exactly its request's rows: its last objects "
+        "are published a step after the answer, a failed publication leaves them absent, "
+        "and a key another request published first names that request's rows.",
+        how="Before a finished output leaves the frontend its handles are read back "
+        "(bounded wait; every object and the rows' digest checked; on the server in a "
+        "worker thread); one that does not resolve fails its request closed. Patched when "
+        "vLLM loads their module.",
+        upstream="None: the keys handoff is ours.",
+        removal="A connector hook that runs before a finished output is returned.",
+    ),
+    Patch(
+        hook="keys_answer",
+        kind=Kind.PRIVATE,
+        targets=("vllm.v1.engine.core_client.InprocClient",),
+        why="An in-process engine core publishes a finished request's tail only in its next step.",
+        how="Recognised by its class name on llm_engine.engine_core and stepped once "
+        "before the handles are read.",
+        upstream="None: a detail of our keys handoff.",
+        removal="Goes with the _run_engine wrap.",
+    ),
+    Patch(
+        hook="terminal_output",
+        kind=Kind.WRAP,
+        targets=(
+            f"{_STATE}._new_completion_output",
+            "vllm.utils.serial_utils.numpy2base64",
+            *(f"{frontend}.serving.numpy2base64" for frontend in _FRONTENDS),
+            *(f"{frontend}.api_router.JSONResponse" for frontend in _FRONTENDS),
+        ),
+        why="vLLM encodes a finished request's R3 with np.save into a BytesIO, then base64 "
+        "and decode (three passes over many MiB), and Starlette's json.dumps scans the "
+        "base64 again (22-39 ms for 19 MiB); keys handles need their own form.",
+        how="The per-step chunks are concatenated into the data part of a complete .npy, "
+        "base64-encoded straight to str (the same text); the routers' JSON response joins "
+        "that text into the rendered JSON (the same bytes); a transported keys handle "
+        "becomes an R3Keys and its JSON text. Serving and router modules are patched when "
+        "vLLM loads them (hooks/after_import.py), never imported by the hook.",
+        upstream="vllm-project/vllm#33548 (merged) uses ORJSONResponse for embeddings; none "
+        "for R3's encoding.",
+        removal="numpy2base64 and _new_completion_output go with a copy-free .npy encoding "
+        "upstream; JSONResponse with a response class that does not rescan base64.",
+    ),
+    Patch(
+        hook="early_import",
+        kind=Kind.ENTRY_POINT,
+        targets=("vllm.platform_plugins",),
+        why="LLM(enable_routed_experts=True) builds EngineArgs before vLLM loads general "
+        "plugins, so the keyword would be refused on a process's first call.",
+        how="vLLM calls platform plugins earlier (while resolving current_platform); ours "
+        "claims no platform and installs the hooks right after vllm.engine.arg_utils loads. "
+        "Not reached with VLLM_TARGET_DEVICE=cpu: import vllm_artifact.integration.plugin "
+        "before LLM(...) then.",
+        upstream="None found.",
+        removal="General plugins loaded before EngineArgs is built.",
+    ),
+    Patch(
+        hook="plugin",
+        kind=Kind.ENTRY_POINT,
+        targets=("vllm.general_plugins",),
+        why="Every vLLM process (engine processes are spawned) must install the hooks.",
+        how="vLLM calls plugin.register in each process; it runs apply_all.",
+        upstream="vLLM's documented plugin mechanism.",
+        removal="None: a supported API.",
+    ),
+)
 
 _started = False
-#: Set on every function a hook installs, so installing twice never wraps twice.
-WRAPPED_MARK = "__vllm_artifact_wrapped__"
-
-
-def require(condition: object, hook: str, what: str) -> None:
-    """A hook's check of the vLLM it wraps, at install time: a typed error naming the hook
-    (``assert`` would vanish under ``python -O``)."""
-    if not condition:
-        raise VllmIncompatibleError(
-            f"{what}; vllm-artifact's {hook} hook was written for vLLM 0.32.0: install that "
-            "version (pip install 'vllm==0.32.0') or a vllm-artifact release made for yours"
-        )
-
-
-def require_attributes(hook: str, *names: tuple[Any, str]) -> None:
-    """:func:`require` that each ``(owner, name)`` exists."""
-    for owner, name in names:
-        label = str(getattr(owner, "__qualname__", None) or getattr(owner, "__name__", owner))
-        module = getattr(owner, "__module__", None)
-        where = f"{module}.{label}" if module and not label.startswith(module) else label
-        require(hasattr(owner, name), hook, f"{where}.{name} is gone")
-
-
-def wrap_once(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-    """Replace ``owner.name`` (a class attribute or a module global) with ``make(current)``,
-    unless a hook already did. ``make`` receives and returns the raw attribute, so static and
-    class methods keep their descriptor."""
-    current = owner.__dict__[name]
-    if getattr(current, WRAPPED_MARK, False) or getattr(
-        getattr(current, "__func__", None), WRAPPED_MARK, False
-    ):
-        return
-    wrapped = make(current)
-    setattr(getattr(wrapped, "__func__", wrapped), WRAPPED_MARK, True)
-    setattr(owner, name, wrapped)
 
 
 def apply_all() -> bool:
     """Install every hook once per process; returns True if this call installed them.
 
-    Re-entrant calls return at once: importing a hook module imports vLLM modules, which can
-    trigger the early-import hook (and so this function) before the first call has finished.
+    On a vLLM outside the supported range only ``engine_args`` is installed (and False is
+    returned): with R3 off it passes everything through, with R3 on its startup checks raise
+    the version error. Re-entrant calls
+    return at once: importing a hook module imports vLLM modules, which can trigger the
+    early-import hook (and so this function) before the first call has finished.
     """
     global _started
     if _started:
         return False
     _started = True
+    from vllm_artifact.integration.hooks.versions import support
+
+    problem = support().problem()
+    if problem is not None:
+        logger.warning("vllm-artifact: hooks not installed: %s", problem)
+        try:
+            from vllm_artifact.integration.hooks import engine_args
+        except VllmIncompatibleError as error:
+            logger.warning("vllm-artifact: --enable-routed-experts is unavailable: %s", error)
+            return False
+        engine_args.install()
+        return False
     from vllm_artifact.integration.hooks import (
         engine_args,
         keys_answer,

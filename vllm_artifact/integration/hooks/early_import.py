@@ -1,8 +1,9 @@
-"""Hook: install our hooks right after ``vllm.engine.arg_utils`` loads (see hooks/__init__).
+"""Hook: install our hooks right after ``vllm.engine.arg_utils`` loads (registry:
+``hooks/__init__.py``, hook ``early_import``).
 
 Registered under vLLM's ``vllm.platform_plugins`` entry point group. It must not touch
 ``vllm.platforms.current_platform`` (vLLM is resolving it when it calls us) and it never claims
-a platform (returns None), so vLLM's platform choice is unchanged. Checked against vLLM 0.32.0.
+a platform (returns None), so vLLM's platform choice is unchanged.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Hook: our options on vLLM's ``EngineArgs`` (CLI flags, LLM keywords, startup checks).
+"""Hook: our options on vLLM's ``EngineArgs`` (CLI flags, LLM keywords, startup checks;
+registry: ``hooks/__init__.py``, hook ``engine_args``).
 
-Replaces (wraps) ``EngineArgs.add_cli_args``, ``EngineArgs.from_cli_args``,
-``EngineArgs.__init__``, ``AsyncEngineArgs.__init__`` and ``EngineArgs.create_engine_config``.
-Checked against vLLM 0.32.0. Every wrapper calls the original; with R3 off and our options
-absent the arguments reach vLLM unchanged. The logic lives in ``options.py`` (flags, keywords,
-``additional_config``) and ``validation.py`` (startup refusals, scheduler class).
+Every wrapper calls the original; with R3 off and our options absent the arguments reach vLLM
+unchanged, which is why this hook alone is installed on an unsupported vLLM (its startup
+checks then refuse R3 with the supported range). The logic lives in ``options.py`` (flags,
+keywords, ``additional_config``) and ``validation.py`` (startup refusals, scheduler class).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from vllm.engine import arg_utils
 
 from vllm_artifact.integration import options, validation
 from vllm_artifact.integration.config import ArtifactConfig
-from vllm_artifact.integration.hooks import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.after_import import apply_pending
+from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 from vllm_artifact.integration.metrics import register_store_metrics
 
 _WRAPPED = ("add_cli_args", "from_cli_args", "__init__", "create_engine_config")

@@ -7,15 +7,12 @@ published first with other routing names that request's rows. So before the fron
 it reads the handle the way a trainer will (:func:`vllm_artifact.client.read_r3_keys`: waits,
 bounded, for the objects, checks every object and the rows' digest ``rows_xxh3``). A handle
 that does not resolve fails its request closed with the reason (HTTP 500 with the message;
-offline ``finish_reason == "error"``); the engine and every other request go on. Two wraps,
-frontend process only, checked against vLLM 0.32.0, patched when vLLM loads their module:
-
-* ``vllm.v1.engine.async_llm.AsyncLLM.generate`` (the API server): a finished output's
-  handles are read in a worker thread (``asyncio.to_thread``), so the event loop serves
-  everyone else meanwhile;
-* ``vllm.entrypoints.common.offline.OfflineInferenceMixin._run_engine`` (``LLM.generate``):
-  the finished outputs' handles are read before they are returned (an in-process engine core
-  is stepped once first: it publishes a finished request's last objects in its next step).
+offline ``finish_reason == "error"``); the engine and every other request go on. On the API
+server the handles are read in a worker thread (``asyncio.to_thread``), so the event loop
+serves everyone else meanwhile; offline (``LLM.generate``) an in-process engine core is
+stepped once first (it publishes a finished request's last objects in its next step).
+Frontend process only, patched when vLLM loads the module; registry: ``hooks/__init__.py``,
+hook ``keys_answer``.
 
 The cost is one read of the handle's objects in the frontend (the store's read path: a few
 milliseconds per 32K-token DeepSeek-V3 request), against shipping and encoding the rows.
@@ -34,8 +31,8 @@ from vllm_artifact.client.reader import read_r3_keys
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.errors import ArtifactError
-from vllm_artifact.integration.hooks import require_attributes, wrap_once
 from vllm_artifact.integration.hooks.after_import import patch_module
+from vllm_artifact.integration.hooks.patching import require_attributes, wrap_once
 from vllm_artifact.integration.hooks.request_errors import record_failure
 
 logger = logging.getLogger("vllm.artifact")

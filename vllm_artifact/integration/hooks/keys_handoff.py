@@ -2,15 +2,12 @@
 
 Our scheduler connector puts a keys-only request's :class:`R3Keys` handle into vLLM's
 routed-experts transport; the ``terminal_output`` hook turns it into the object and its JSON
-text. This hook validates the option (frontend process only, checked against vLLM 0.32.0):
-
-* ``vllm.v1.engine.input_processor.InputProcessor._validate_params``: the request option
-  is checked where vLLM checks its own sampling parameters, so a bad value is refused
-  (``VLLMValidationError``: HTTP 400, offline raised) before the request reaches the engine;
-* ``CompletionRequest.to_sampling_params`` and ``ChatCompletionRequest.to_sampling_params``:
-  the same check (but for "is R3 on", which only the engine knows) while the OpenAI server
-  builds the parameters, before a streaming response has started: a streamed request gets a
-  real HTTP 400, not an error event inside a 200 stream.
+text. This hook validates the option where vLLM checks its own sampling parameters, so a bad
+value is refused (``VLLMValidationError``: HTTP 400, offline raised) before the request
+reaches the engine; the OpenAI request classes check it too (but for "is R3 on", which only
+the engine knows) while building the parameters, so a streamed request gets a real HTTP 400,
+not an error event inside a 200 stream. Frontend process only; registry:
+``hooks/__init__.py``, hook ``keys_handoff``.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.input_processor import InputProcessor
 
-from vllm_artifact.integration.hooks import require_attributes, wrap_once
+from vllm_artifact.integration.hooks.patching import require_attributes, wrap_once
 from vllm_artifact.integration.request_options import check_format_option
 
 _REQUEST_CLASSES = (CompletionRequest, ChatCompletionRequest)

@@ -1,16 +1,12 @@
-"""Hook: a request that failed for R3 reasons reaches the user with our message.
+"""Hook: a request that failed for R3 reasons reaches the user with our message (registry:
+``hooks/__init__.py``, hook ``request_errors``).
 
-vLLM 0.32 finishes such a request with finish reason ``error`` (our scheduler carries the
-message in ``stop_reason``), but its OpenAI server answers every errored request with HTTP 500
-"Internal server error". Two wraps, frontend process only, checked against vLLM 0.32.0:
-
-* ``vllm.v1.engine.output_processor.RequestState.make_request_output``: remember the message
-  of our failures by external request id (offline users read it from ``stop_reason`` with
-  :func:`vllm_artifact.client.r3_failure`);
-* ``GenerateBaseServing._raise_if_error`` (``vllm/entrypoints/generate/base/serving.py``):
-  raise vLLM's ``GenerationError`` (HTTP 500) with that message instead of the generic one.
-
-The first wrap also counts such requests by reason (``vllm_artifact_failed_requests_total``).
+Our scheduler finishes such a request with finish reason ``error`` and the message in
+``stop_reason``; vLLM's OpenAI server would answer it with a generic HTTP 500. The message is
+remembered by external request id when the output is made (and counted by reason,
+``vllm_artifact_failed_requests_total``; offline users read it from ``stop_reason`` with
+:func:`vllm_artifact.client.r3_failure`) and raised as vLLM's ``GenerationError`` (HTTP 500)
+when the serving layer checks the finish reason. Frontend process only.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import RequestState
 
 from vllm_artifact.core.failure import R3Failure, r3_failure
-from vllm_artifact.integration.hooks import require_attributes, wrap_once
+from vllm_artifact.integration.hooks.patching import require_attributes, wrap_once
 from vllm_artifact.integration.metrics import FAILED_REQUESTS
 
 require_attributes(

@@ -1,28 +1,20 @@
-"""Hook: how a finished request's R3 leaves vLLM's frontend (keys handles, fast ``.npy``).
+"""Hook: how a finished request's R3 leaves vLLM's frontend (keys handles, fast ``.npy``;
+registry: ``hooks/__init__.py``, hook ``terminal_output``).
 
-Three wraps, used in the frontend process only, checked against vLLM 0.32.0:
-
-* ``vllm.v1.engine.output_processor.RequestState._new_completion_output``: at a request's
-  end vLLM concatenates its per-step R3 chunks (``np.concatenate``); we concatenate them into
-  the data part of a complete ``.npy`` file instead (same array, same single copy:
-  :func:`vllm_artifact.core.npy.concatenate_into_npy`), and a transported keys-only handle
-  (``R3Keys.to_transport``: a small uint8 array, not rows) becomes an :class:`R3Keys` object on
-  the completion (offline users get it in ``outputs[i].routed_experts``);
-* ``vllm.utils.serial_utils.numpy2base64``, which the completions, chat and
-  token-in/token-out serving modules import (and the copies of it that they hold, where they
-  have imported it already): a handle is sent as its JSON text; an array is encoded by
-  :func:`vllm_artifact.core.npy.encode_npy_base64` (the same text as vLLM's ``np.save`` +
-  base64, without its ``BytesIO`` and ``bytes`` copies; no copy at all for an array from the
-  wrap above);
-* the module global ``JSONResponse`` (Starlette's) in the completions, chat and
-  token-in/token-out API router modules, when they load: a subclass whose ``render`` gives
-  the same bytes but joins each choice's base64 ``routed_experts`` in instead of having
-  ``json.dumps`` scan it (:func:`vllm_artifact.core.json_splice.render_spliced`); any other
-  response renders as before.
+Three wraps, frontend process only. At a request's end its per-step R3 chunks are
+concatenated into the data part of a complete ``.npy`` file (the one copy vLLM's
+``np.concatenate`` made: :func:`vllm_artifact.core.npy.concatenate_into_npy`), and a
+transported keys-only handle (``R3Keys.to_transport``: a small uint8 array, not rows) becomes
+an :class:`R3Keys` on the completion (offline users get it in ``outputs[i].routed_experts``).
+``numpy2base64`` sends a handle as its JSON text and encodes an array with
+:func:`vllm_artifact.core.npy.encode_npy_base64` (vLLM's text without its ``BytesIO`` and
+``bytes`` copies). The API routers' ``JSONResponse`` becomes a subclass that renders the same
+bytes but joins each choice's base64 ``routed_experts`` in instead of having ``json.dumps``
+scan it (:func:`vllm_artifact.core.json_splice.render_spliced`).
 
 The serving and router modules are never imported here: hooks install while
 ``vllm.engine.arg_utils`` loads, which can be in the middle of vLLM importing one of them, and
-importing another then fails (an import cycle).
+importing another then fails (an import cycle). They are patched when vLLM loads them.
 """
 
 from __future__ import annotations
@@ -30,7 +22,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -44,8 +35,8 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64
-from vllm_artifact.integration.hooks import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.after_import import patch_module
+from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.request_errors import record_failure
 
 logger = logging.getLogger("vllm.artifact")
@@ -53,9 +44,9 @@ logger = logging.getLogger("vllm.artifact")
 _HOOK = "terminal_output"
 require_attributes(_HOOK, (serial_utils, "numpy2base64"))
 #: They import ``numpy2base64`` from ``vllm.utils.serial_utils``, which we wrap at its
-#: source; the modules that have already imported it get the wrap in their globals too. None
-#: of them is imported here: that could close an import cycle vLLM is in the middle of
-#: (hooks/after_import.py).
+#: source; one that imported it before gets the wrap in its globals when it is loaded (now,
+#: or when vLLM imports it). None of them is imported here: that could close an import cycle
+#: vLLM is in the middle of (hooks/after_import.py).
 _SERVING_MODULES = (
     "vllm.entrypoints.openai.completion.serving",
     "vllm.entrypoints.openai.chat_completion.serving",
@@ -176,13 +167,18 @@ def _install_json_response(router: ModuleType) -> None:
     )
 
 
+def _install_numpy2base64(serving: ModuleType) -> None:
+    """A serving module's copy of ``numpy2base64``: ours already if it was imported after
+    the source was wrapped (recorded then), else wrapped now."""
+    wrap_once(serving, "numpy2base64", _wrap_numpy2base64)
+
+
 def install() -> None:
     wrap_once(RequestState, "_new_completion_output", _wrap_new_completion_output)
     wrap_once(serial_utils, "numpy2base64", _wrap_numpy2base64)
     for name in _SERVING_MODULES:
-        serving = sys.modules.get(name)
-        if serving is not None and "numpy2base64" in serving.__dict__:  # imported before
-            wrap_once(serving, "numpy2base64", _wrap_numpy2base64)
+        if not patch_module(name, "numpy2base64", _install_numpy2base64):
+            logger.debug("vllm-artifact: %s is being imported; patched once it is", name)
     for name in _ROUTER_MODULES:
         if not patch_module(name, "JSONResponse", _install_json_response):
             logger.debug("vllm-artifact: %s is being imported; patched once it is", name)

@@ -1,17 +1,16 @@
-"""Hook: check vLLM's weight version before vLLM records it, and forward it to our connector.
+"""Hook: check vLLM's weight version before vLLM records it, and forward it to our connector
+(registry: ``hooks/__init__.py``, hook ``weight_version``).
 
-vLLM keeps the weight version on the EngineCore only (``EngineCore.set_weight_version``, behind
-``LLM.update_weight_version``, ``LLM.llm_engine.set_weight_version``, ``POST
-/update_weight_version`` and ``finish_weight_update``), where neither the scheduler nor the
-workers see it, and accepts any string. Our object keys include it and cannot carry an empty
+vLLM keeps the weight version on the EngineCore only (behind ``LLM.update_weight_version``,
+``POST /update_weight_version`` and ``finish_weight_update``), where neither the scheduler nor
+the workers see it, and accepts any string. Our object keys include it and cannot carry an empty
 string, one over 4096 characters or one that is not valid Unicode: such a version reaching the
 step path would kill the engine. So every setter checks it first
 (:func:`~vllm_artifact.core.keys.check_weight_version`): a bad version raises
 ``WeightVersionError`` (a ``ValueError``: HTTP 400 on the server) and the engine keeps its
 version. The frontend setters are checked where the caller is (a clear error, not a failed
 utility call); EngineCore's check covers every other way in. EngineCore's setter then also
-tells our scheduler connector, which ships the version to the worker with every step. Checked
-against vLLM 0.32.0.
+tells our scheduler connector, which ships the version to the worker with every step.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from typing import Any
 from vllm.v1.engine.core import EngineCore
 
 from vllm_artifact.core.keys import check_weight_version
-from vllm_artifact.integration.hooks import require_attributes, wrap_once
 from vllm_artifact.integration.hooks.after_import import patch_module
+from vllm_artifact.integration.hooks.patching import require_attributes, wrap_once
 
 logger = logging.getLogger("vllm.artifact")
 

@@ -1,20 +1,27 @@
-"""Hook: MRV2 builds our worker connector instead of vLLM's AuxOutput worker connector.
+"""Hook: Model Runner V2 builds our worker connector instead of vLLM's (registry:
+``hooks/__init__.py``, hook ``worker_factory``).
 
-Replaces the module global ``vllm.v1.worker.gpu.model_runner.get_aux_output_connector``,
-which ``GPUModelRunner.initialize_kv_cache`` calls (after KV sizing, before warm-up) when
-routed experts are on. Checked against vLLM 0.32.0. The replacement has the same signature
-and returns :class:`ArtifactWorkerConnector`, which keeps vLLM's capturer and transport.
+The replacement keeps the signature of the function it replaces (checked here) and returns
+:class:`ArtifactWorkerConnector`, which keeps vLLM's capturer and transport.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from vllm.v1.worker.gpu import model_runner
 
-from vllm_artifact.integration.hooks import require_attributes
+from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 
-require_attributes("worker_factory", (model_runner, "get_aux_output_connector"))
+_HOOK = "worker_factory"
+_PARAMETERS = ["model", "vllm_config", "kv_cache_config"]
+require_attributes(_HOOK, (model_runner, "get_aux_output_connector"))
+require(
+    list(inspect.signature(model_runner.get_aux_output_connector).parameters) == _PARAMETERS,
+    _HOOK,
+    "vllm.v1.worker.gpu.model_runner.get_aux_output_connector's parameters changed",
+)
 
 
 def get_artifact_connector(model: Any, vllm_config: Any, kv_cache_config: Any) -> Any:
@@ -25,5 +32,9 @@ def get_artifact_connector(model: Any, vllm_config: Any, kv_cache_config: Any) -
     )
 
 
+def _replace(original: Any) -> Any:
+    return get_artifact_connector
+
+
 def install() -> None:
-    model_runner.get_aux_output_connector = get_artifact_connector
+    wrap_once(model_runner, "get_aux_output_connector", _replace)

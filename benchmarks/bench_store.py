@@ -186,8 +186,8 @@ def bench(block_size: int, tokens: int, reps: int, root: str) -> None:
 
 
 def scale(tokens: int, reps: int, root: str, gib: float) -> None:
-    """Put + get of one request in a small store vs a full big one, and the
-    big one's reopen (crash recovery) time (DESIGN.md section 5 item 5)."""
+    """Put + get of one request in a small store vs a full big one, and the big one's reopen
+    (crash recovery) time: neither may grow with the objects stored (docs/store.md, "Scale")."""
     layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
     ns = Namespace("deepseek-ai/DeepSeek-V3", layout, "bench-scale")
     data = np.random.default_rng(1).integers(0, 256, size=(tokens, 58, 8), dtype=np.uint8)

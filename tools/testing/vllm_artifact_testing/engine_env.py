@@ -1,7 +1,7 @@
 """Environment for running the real vLLM 0.32 engine on a machine without a GPU.
 
-Values follow DESIGN.md section 6: Model Runner V2 (capture lives there), a bounded CPU KV
-cache, and Triton's interpreter (enabled by the vllm-artifact-cpu-support package).
+Values follow docs/cpu.md: Model Runner V2 (capture lives there), a bounded CPU KV cache,
+and Triton's interpreter (enabled by the vllm-artifact-cpu-support package).
 """
 
 from __future__ import annotations

@@ -204,7 +204,22 @@ PATCHES: tuple[Patch, ...] = (
         removal="Goes with the build_connector_meta override.",
     ),
     Patch(
-        hook="transport",
+        hook="vllm_contract",
+        kind=Kind.OVERRIDE,
+        targets=(
+            "vllm.distributed.aux_output_connector.connector.AuxOutputConnectorMetadata.__init__",
+        ),
+        why="Each step's metadata must carry our fields (weight version, tail hashes, KV "
+        "evictions, key leases) and still be the type vLLM declares for "
+        "build_connector_meta.",
+        how="ArtifactStepMetadata is a dataclass subclass of vLLM's metadata and of "
+        "vllm_artifact.contract.ArtifactStepFields: vLLM's fields stay positional and first, "
+        "ours are keywords with defaults (the generated __init__ replaces vLLM's).",
+        upstream="None found: the metadata has no extension field.",
+        removal="An extension field on the connector metadata upstream.",
+    ),
+    Patch(
+        hook="vllm_contract",
         kind=Kind.CARRIES,
         targets=(
             "vllm.v1.core.sched.output.SchedulerOutput.aux_output_connector_metadata",

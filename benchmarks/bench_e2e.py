@@ -13,7 +13,7 @@ round. By default (``--turn 1``) the three batches of a workload run at once whi
 take turns of 1 s, the other two stopped (``time_slices.TimeSlices``: never two servers on the
 CPUs at once, and all three meet the same minutes of this drifting machine); a batch's
 duration and latencies count only its server's turns. ``--turn 0`` runs one batch after the
-other instead (the method of the runs before 2026-12-01 09:45 UTC in docs/benchmarks.md; its
+other instead (the method of the earlier runs in benchmarks/results/2026-12-01/README.md; its
 per-round ratios scattered 2-3x more). The prefix cache is reset before every batch (vLLM's
 dev-mode endpoint) and every round has its own prompts.
 

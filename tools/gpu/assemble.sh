@@ -29,14 +29,22 @@ for wheel in "${missing[@]}"; do
         -d "$GPU/whl" "$name==$version"
 done
 
-if [[ ! -f $GPU/distinfo.tgz ]]; then
+if [[ ! -f $GPU/distinfo.tgz || pyproject.toml -nt $GPU/distinfo.tgz ]]; then
     tmp=$(mktemp -d)
     mkdir -p "$tmp/vllm-0.32.0.dist-info" "$tmp/vllm_artifact-0.1.0.dist-info"
     printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n' \
         > "$tmp/vllm-0.32.0.dist-info/METADATA"
     echo vllm > "$tmp/vllm-0.32.0.dist-info/top_level.txt"
-    printf 'Metadata-Version: 2.1\nName: vllm-artifact\nVersion: 0.1.0\n' \
-        > "$tmp/vllm_artifact-0.1.0.dist-info/METADATA"
+    # Requires-Dist as pip writes it: hooks/versions.py reads the supported vLLM range there.
+    .venv/bin/python - "$tmp/vllm_artifact-0.1.0.dist-info/METADATA" <<'PY'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+lines = ["Metadata-Version: 2.1", "Name: vllm-artifact", f"Version: {project['version']}"]
+lines += [f"Requires-Dist: {r}" for r in project["dependencies"]]
+for extra, requirements in project["optional-dependencies"].items():
+    lines += [f'Requires-Dist: {r}; extra == "{extra}"' for r in requirements]
+open(sys.argv[1], "w").write("\n".join(lines) + "\n")
+PY
     # The plugin's entry points, as pyproject.toml declares them.
     .venv/bin/python - "$tmp/vllm_artifact-0.1.0.dist-info/entry_points.txt" <<'PY'
 import sys, tomllib

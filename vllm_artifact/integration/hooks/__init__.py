@@ -371,9 +371,9 @@ def apply_all() -> bool:
 
     On a vLLM outside the supported range only ``engine_args`` is installed (and False is
     returned): with R3 off it passes everything through, with R3 on its startup checks raise
-    the version error. Re-entrant calls
-    return at once: importing a hook module imports vLLM modules, which can trigger the
-    early-import hook (and so this function) before the first call has finished.
+    the version error. Re-entrant calls return at once: importing a hook module imports vLLM
+    modules, which can trigger the early-import hook (and so this function) before the first
+    call has finished.
     """
     global _started
     if _started:

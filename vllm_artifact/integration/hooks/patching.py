@@ -23,9 +23,10 @@ def require(condition: object, hook: str, what: str) -> None:
     if not condition:
         from vllm_artifact.integration.hooks.versions import support
 
+        supported = support()
         raise VllmIncompatibleError(
-            f"{what}; vllm-artifact's {hook} hook was written for {support().wanted()}: "
-            f"install a release in that range ({support().install_hint()}) or a "
+            f"{what}; vllm-artifact's {hook} hook was written for {supported.wanted()}: "
+            f"install a release in that range ({supported.install_hint()}) or a "
             "vllm-artifact release made for yours"
         )
 

@@ -17,6 +17,7 @@ __all__ = [
     "CapacityError",
     "InternalError",
     "KeyCollisionError",
+    "NotOnNodeError",
     "ObjectCorruptError",
     "ObjectMissingError",
     "RowBufferError",
@@ -32,6 +33,7 @@ __all__ = [
     "UnsafeRootError",
     "VllmIncompatibleError",
     "WeightVersionError",
+    "WeightVersionMismatchError",
     "WriterConflictError",
 ]
 
@@ -73,6 +75,23 @@ class ObjectCorruptError(StoreError):
     """An object failed envelope or checksum validation on read."""
 
     reason = "corrupt"
+
+
+class NotOnNodeError(ObjectMissingError):
+    """Objects of a KV hit are in no store of the model under the root on this node (the KV
+    came from an engine on another node or root, or its store lost them). ``absent``: the
+    positions of the keys found nowhere."""
+
+    def __init__(self, message: str, *, absent: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.absent = absent
+
+
+class WeightVersionMismatchError(ObjectMissingError):
+    """The R3 of a KV hit exists on the node only under another weight version (the engine that
+    computed the KV, e.g. a PD producer, runs other weights): never mixed, the request fails."""
+
+    reason = "weight_mismatch"
 
 
 class KeyCollisionError(StoreError):

@@ -462,24 +462,46 @@ def test_unsupported_parallelism_and_caching(
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
-def test_pd_disaggregation_rejected(tiny_model: str, shm_dir: Path, role: str) -> None:
+def test_pd_roles_with_the_shared_storage_connector_supported(
+    tiny_model: str, shm_dir: Path, role: str
+) -> None:
     kv = {
         "kv_connector": "ExampleConnector",
         "kv_role": role,
         "kv_connector_extra_config": {"shared_storage_path": str(shm_dir / "kv")},
     }
+    vllm_config = build(tiny_model, shm_dir, kv_transfer_config=kv)
+    assert vllm_config.kv_transfer_config.kv_role == role
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_pd_roles_with_a_cross_node_connector_rejected(
+    tiny_model: str, shm_dir: Path, role: str
+) -> None:
+    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": role}
     with pytest.raises(
         ArtifactConfigError,
-        match=rf"prefill/decode disaggregation: .*ExampleConnector with kv_role='{role}'.*kv_both",
+        match=rf"LMCacheConnectorV1 \(kv_role='{role}'\): this connector moves KV between "
+        r"engines on different nodes.*ExampleConnector.*kv_both",
     ):
         build(tiny_model, shm_dir, kv_transfer_config=kv)
 
 
-def test_pd_connector_named_by_vllm_rejected(tiny_model: str, shm_dir: Path) -> None:
+def test_pd_roles_with_an_unverified_connector_rejected(tiny_model: str, shm_dir: Path) -> None:
+    kv = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_consumer"}
+    with pytest.raises(
+        ArtifactConfigError, match=r"DecodeBenchConnector .*has not been verified.*ExampleConnector"
+    ):
+        build(tiny_model, shm_dir, kv_transfer_config=kv)
+
+
+def test_cross_node_connector_named_by_vllm_rejected(tiny_model: str, shm_dir: Path) -> None:
     # kv_both passes our role check; vLLM's own check refuses NixlConnector by name and we
     # re-raise it with our message.
     kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    with pytest.raises(ArtifactConfigError, match="disaggregation: --kv-transfer-config uses the"):
+    with pytest.raises(
+        ArtifactConfigError, match=r"NixlConnector \(kv_role='kv_both'\): this connector moves KV"
+    ):
         build(tiny_model, shm_dir, kv_transfer_config=kv)
 
 

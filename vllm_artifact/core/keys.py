@@ -28,6 +28,7 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import SchemaError, WeightVersionError
 
 __all__ = [
+    "DEFAULT_WEIGHT_VERSION",
     "KEY_NBYTES",
     "KeyCache",
     "Namespace",
@@ -39,6 +40,9 @@ __all__ = [
     "tail_block_key",
 ]
 
+#: The weight version of an engine whose weights were never updated through vLLM's
+#: weight-version API.
+DEFAULT_WEIGHT_VERSION = "default"
 #: Size of an object key in bytes.
 KEY_NBYTES = 16
 _MAX_BLOCK_HASH_NBYTES = 1024

@@ -26,9 +26,16 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 import numpy as np
 
 from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
-from vllm_artifact.core.buffer import RequestRowBuffer, copy_blocks
+from vllm_artifact.core.buffer import RequestRowBuffer
 from vllm_artifact.core.failure import R3Failure
-from vllm_artifact.core.keys import KeyCache, Namespace, ObjectKey, tail_block_key
+from vllm_artifact.core.hit_reads import HitReads, StepReads
+from vllm_artifact.core.keys import (
+    DEFAULT_WEIGHT_VERSION,
+    KeyCache,
+    Namespace,
+    ObjectKey,
+    tail_block_key,
+)
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
 from vllm_artifact.core.request_state import Cursors, RequestState
 from vllm_artifact.core.schema import R3Layout
@@ -36,21 +43,21 @@ from vllm_artifact.core.steady_decode import SteadyDecode
 from vllm_artifact.core.step_batch import StepBatch, StepRows
 from vllm_artifact.core.step_publication import StepPublication
 from vllm_artifact.core.store.contract import ObjectStore
+from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.errors import ArtifactError, InternalError
 
 __all__ = ["RequestTracker"]
 
 logger = logging.getLogger("vllm.artifact.tracker")
 
-#: A step's whole-block store reads: (first token, keys) -> the rows read (and verified).
-_StepReads = dict[tuple[int, tuple[ObjectKey, ...]], np.ndarray]
-
 
 class RequestTracker:
     """Per-request state of the single R3 writer (not thread-safe: the caller serializes).
 
     ``block_id`` maps a KV block hash to the id the scheduler reports its eviction under
-    (:meth:`kv_evicted`); the integration layer knows vLLM's KV events and supplies it."""
+    (:meth:`kv_evicted`); the integration layer knows vLLM's KV events and supplies it.
+    ``node_stores`` (the engine's store and its family's on the node) serves KV hits on blocks
+    another engine computed; without it only ``store`` is read."""
 
     def __init__(
         self,
@@ -62,26 +69,36 @@ class RequestTracker:
         buffer_max_bytes: int,
         block_id: Callable[[bytes], int],
         lease_seconds: float = 600.0,
+        node_stores: NodeStores | None = None,
     ) -> None:
         self._layout = layout
         self._model_id = model_id
-        self._store = store
         self._publication = StepPublication(
             publisher,
             block_size=layout.block_size,
             block_id=block_id,
             lease_seconds=lease_seconds,
         )
+        self._hits = HitReads(layout, store, self._publication, node_stores)
         self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes)
         self._steady = SteadyDecode(self._buffer)
         self._requests: dict[str, RequestState] = {}
         # The request ids of each started, unfinished step, oldest first (a step list per
         # step, not a counter per request: no per-request work at either end of a step).
         self._steps_in_flight: list[Sequence[str]] = []
-        self.namespace = Namespace(model_id, layout, "default")
+        self.namespace = Namespace(model_id, layout, DEFAULT_WEIGHT_VERSION)
         self._key_cache = KeyCache()  # a prefix hit's blocks were keyed when published
-        self.reads = 0  # objects read for KV-cache hits
         self.tails_published = 0
+
+    @property
+    def reads(self) -> int:
+        """Objects read from the stores for KV-cache hits."""
+        return self._hits.reads
+
+    @property
+    def adopted(self) -> int:
+        """Objects of those read from another engine's store on the node (and adopted)."""
+        return self._hits.adopted
 
     # ------------------------------------------------------------ scheduler facts
 
@@ -233,7 +250,7 @@ class RequestTracker:
                     to_emit.append((request_id, state, cursors, token_end))
         # Publish first: a request of this step may hit a block another one just completed.
         self._publication.submit(ready)
-        step_reads: _StepReads = {}
+        step_reads: StepReads = {}
         for request_id, state, cursors, token_end in to_emit:
             try:
                 outputs[request_id] = self._emit(state, cursors, token_end, step_reads)
@@ -345,7 +362,7 @@ class RequestTracker:
         state: RequestState,
         cursors: Cursors,
         token_end: int,
-        step_reads: _StepReads | None = None,
+        step_reads: StepReads | None = None,
     ) -> EmittedRows:
         """Rows ``[emit, token_end)``: store rows for a prefix hit, then captured rows."""
         emit_start, pending_start = cursors.emit, cursors.pending_start
@@ -356,7 +373,7 @@ class RequestTracker:
             # of the prefix (a concatenation that size releases the GIL, see buffer._as_items).
             rows = self._layout.empty(token_end - emit_start)
             at = pending_start - emit_start
-            self._read_span(state, emit_start, rows[:at], step_reads)
+            self._hits.read_span(state, emit_start, rows[:at], self.namespace, step_reads)
             for part in state.pending:
                 count = min(len(part), len(rows) - at)
                 rows[at : at + count] = part[:count]
@@ -371,47 +388,6 @@ class RequestTracker:
         cursors.emit = token_end
         return EmittedRows(emit_start, rows)
 
-    def _read_span(
-        self,
-        state: RequestState,
-        start: int,
-        out: np.ndarray,
-        step_reads: _StepReads | None = None,
-    ) -> None:
-        """Rows ``[start, start + len(out))`` from the store into ``out`` (KV-cache hits;
-        fails closed).
-
-        With ``step_reads`` (this step's whole-block reads so far), requests of one step with
-        the same prefix hit (a shared prompt, a group of samples of one prompt) copy the rows
-        the first of them read and verified instead of reading them again: a store read has
-        a fixed cost of some 40 small numpy calls."""
-        block_size = self._layout.block_size
-        end = start + len(out)
-        first, last = start // block_size, -(-end // block_size)
-        if last > len(state.keys):
-            raise ArtifactError(
-                f"the KV cache served tokens up to {end} but only "
-                f"{len(state.keys) * block_size} have block hashes; R3 for them cannot be "
-                "located"
-            )
-        keys = state.keys[first:last]
-        # Whole blocks (the usual prefix hit)?
-        whole = start == first * block_size and end == last * block_size
-        span = (start, tuple(keys))
-        if whole and step_reads is not None and (earlier := step_reads.get(span)) is not None:
-            copy_blocks(out, earlier, block_size)
-            return
-        self._publication.flush(keys)  # only if some are still queued
-        if whole:
-            self._store.read_into(keys, out, token_start=start)
-            if step_reads is not None:
-                step_reads[span] = out
-        else:
-            blocks = self._layout.empty((last - first) * block_size)
-            self._store.read_into(keys, blocks, token_start=first * block_size)
-            out[:] = blocks[start - first * block_size : end - first * block_size]
-        self.reads += last - first
-
     def _fail(self, request_id: str, state: RequestState, error: Exception) -> None:
         """Fail this request closed; typed store errors say why, anything else is a bug."""
         reason = error.reason if isinstance(error, ArtifactError) else "internal"
@@ -419,7 +395,7 @@ class RequestTracker:
         if not isinstance(error, ArtifactError):
             logger.exception("vllm-artifact: unexpected error for request %s", request_id)
             message += " (an internal error of vllm-artifact: please report it)"
-        if reason == "missing" and self.namespace.weight_version != "default":
+        if reason == "missing" and self.namespace.weight_version != DEFAULT_WEIGHT_VERSION:
             message += (
                 f" The weight version is now {self.namespace.weight_version!r}: tokens the KV "
                 "cache kept from older weights have no R3 under it; reset the prefix cache "

@@ -47,7 +47,13 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_artifact.contract import SchedulerConnector, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys, RowsDigest
-from vllm_artifact.core.keys import KeyCache, ObjectKey, check_weight_version, tail_block_key
+from vllm_artifact.core.keys import (
+    DEFAULT_WEIGHT_VERSION,
+    KeyCache,
+    ObjectKey,
+    check_weight_version,
+    tail_block_key,
+)
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
 from vllm_artifact.integration.kv_events import eviction_ids
@@ -55,7 +61,6 @@ from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
 logger = logging.getLogger("vllm.artifact.scheduler")
 
-_DEFAULT_WEIGHT_VERSION = "default"
 #: Finishes whose last rows become a tail object; aborted, preempted and failed requests keep
 #: only their published full blocks.
 _PUBLISH_TAIL_STATUSES = frozenset(
@@ -89,7 +94,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             "scheduler",
             "vLLM's AuxOutputSchedulerConnector._pack_new_hashes is gone",
         )
-        self.weight_version = _DEFAULT_WEIGHT_VERSION
+        self.weight_version = DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
         self._tails: dict[str, TailBlock] = {}

@@ -29,6 +29,7 @@ from vllm_artifact.errors import (
 )
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.hooks.versions import check_supported
+from vllm_artifact.integration.kv_transfer_rules import check_kv_transfer, cross_node_message
 
 __all__ = [
     "ASYNC_SCHEDULER_CLS",
@@ -62,13 +63,6 @@ _CP = (
     "(--decode-context-parallel-size {dcp}, --prefill-context-parallel-size {pcp}): a "
     "request's tokens would be split across ranks, so no rank sees its full routing. Set "
     "both to 1."
-)
-_PD = (
-    "--enable-routed-experts does not support prefill/decode disaggregation: "
-    "--kv-transfer-config uses {what}, so KV computed by another instance would arrive "
-    "without the routing that produced it. Supported: a connector with kv_role 'kv_both' "
-    "(e.g. CPU KV offload); otherwise drop --enable-routed-experts on disaggregated "
-    "deployments."
 )
 _NOT_MOE = (
     "--enable-routed-experts: routed experts need a mixture-of-experts model, but {model!r} "
@@ -143,7 +137,7 @@ def check_engine_args(engine_args: Any) -> None:
         engine_args.decode_context_parallel_size,
         engine_args.prefill_context_parallel_size,
     )
-    _check_kv_transfer(engine_args.kv_transfer_config)
+    check_kv_transfer(engine_args.kv_transfer_config)
     if engine_args.enable_prefix_caching is False:
         raise ArtifactConfigError(_NO_PREFIX_CACHING)
     _check_user_scheduler(engine_args.scheduler_cls)
@@ -167,7 +161,8 @@ def translate_upstream_error(err: ValueError, engine_args: Any) -> ArtifactConfi
             )
         )
     if match := _UPSTREAM_PD.search(text):
-        return ArtifactConfigError(_PD.format(what=f"the {match.group(1)}"))
+        (role,) = _fields(engine_args.kv_transfer_config or {}, "kv_role")
+        return ArtifactConfigError(cross_node_message(match.group(1), str(role)))
     return None
 
 
@@ -188,7 +183,7 @@ def check_vllm_config(vllm_config: Any) -> ArtifactConfig:
         parallel.decode_context_parallel_size,
         parallel.prefill_context_parallel_size,
     )
-    _check_kv_transfer(vllm_config.kv_transfer_config)
+    check_kv_transfer(vllm_config.kv_transfer_config)
     speculative = vllm_config.speculative_config
     if speculative is not None and speculative.uses_draft_model():
         raise ArtifactConfigError(_DRAFT_MODEL)
@@ -287,16 +282,6 @@ def _check_parallelism(pp: int | None, dcp: int | None, pcp: int | None) -> None
         raise ArtifactConfigError(_PP.format(size=pp))
     if (dcp or 1) > 1 or (pcp or 1) > 1:
         raise ArtifactConfigError(_CP.format(dcp=dcp or 1, pcp=pcp or 1))
-
-
-def _check_kv_transfer(kv_transfer_config: Any) -> None:
-    """PD disaggregation (kv_producer / kv_consumer) is refused; kv_both connectors are fine."""
-    if kv_transfer_config is None:
-        return
-    connector, role = _fields(kv_transfer_config, "kv_connector", "kv_role")
-    if connector is None or role is None or role == "kv_both":
-        return  # no transfer at all, or vLLM itself rejects the missing role
-    raise ArtifactConfigError(_PD.format(what=f"{connector} with kv_role={role!r}"))
 
 
 def _check_user_scheduler(scheduler_cls: Any) -> None:

@@ -27,10 +27,12 @@ import torch
 from vllm_artifact.contract import PendingStep, StepResult, WorkerConnector
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext, StoreAddress
+from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.store import ShmStore, check_shm_space
+from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.errors import InternalError
@@ -111,6 +113,7 @@ class ArtifactWorkerConnector:
         self._generation = 0
         self._step_active = False
         self._store: ShmStore | None = None
+        self._node_stores: NodeStores | None = None
         self._publisher: BackgroundPublisher | None = None
         self._tracker: RequestTracker | None = None
         self._keys_context: KeysContext | None = None  # sent to the scheduler once
@@ -140,6 +143,10 @@ class ArtifactWorkerConnector:
         reclaimable = own_arena.stat().st_size if own_arena.is_file() else 0
         check_shm_space(config.root, capacity, reclaimable_bytes=reclaimable)
         self._store = self._open_store(config, capacity, dp_rank)
+        self._record_weight_version(DEFAULT_WEIGHT_VERSION)
+        # KV hits on blocks another engine of this node computed (a PD producer, a shared KV
+        # tier) read their R3 from that engine's store: same model and layout, same root.
+        self._node_stores = NodeStores(self._store, self._store_family())
         self._publisher = BackgroundPublisher(self._store)
         self._tracker = RequestTracker(
             self._layout,
@@ -152,6 +159,7 @@ class ArtifactWorkerConnector:
             ),
             block_id=eviction_id,
             lease_seconds=config.keys_lease_seconds,
+            node_stores=self._node_stores,
         )
         self._keys_context = KeysContext(
             StoreAddress(root=str(self._store.root), name=self._store.name),
@@ -201,10 +209,30 @@ class ArtifactWorkerConnector:
             return ArenaGeometry(self._layout, slots).file_nbytes
         return int(config.capacity)
 
+    def _store_family(self) -> str:
+        """The name prefix of every store of this model and R3 layout (all DP ranks and
+        engines): the stores whose objects this engine may read."""
+        identity = f"{self._model_id}\n{self._layout.canonical()}".encode()
+        return f"r3-{hashlib.blake2b(identity, digest_size=6).hexdigest()}-dp"
+
     def _store_name(self, dp_rank: int) -> str:
         """One store per model, R3 layout and DP rank (weight versions share it)."""
-        identity = f"{self._model_id}\n{self._layout.canonical()}".encode()
-        return f"r3-{hashlib.blake2b(identity, digest_size=6).hexdigest()}-dp{dp_rank}"
+        return f"{self._store_family()}{dp_rank}"
+
+    def _record_weight_version(self, version: str) -> None:
+        """Let other engines see which weight versions this store's objects are keyed under
+        (it only sharpens their error messages: a failure is logged, never raised)."""
+        if self._store is None:
+            return
+        try:
+            self._store.record_weight_version(version)
+        except Exception:
+            logger.warning(
+                "vllm-artifact: weight version %r not recorded in store %s",
+                version,
+                self._store.name,
+                exc_info=True,
+            )
 
     def _open_store(self, config: ArtifactConfig, capacity: int, dp_rank: int) -> ShmStore:
         """This engine's store (a second live engine on the same root gets another name)."""
@@ -224,6 +252,11 @@ class ArtifactWorkerConnector:
     def reads(self) -> int:
         """Objects read from the store for KV-cache hits (tests and metrics)."""
         return 0 if self._tracker is None else self._tracker.reads
+
+    @property
+    def adopted(self) -> int:
+        """Objects of those read from another engine's store on the node (and adopted)."""
+        return 0 if self._tracker is None else self._tracker.adopted
 
     @property
     def tails_published(self) -> int:
@@ -253,6 +286,7 @@ class ArtifactWorkerConnector:
         with self._lock:
             if tracker.set_weight_version(metadata.weight_version):
                 logger.info("vllm-artifact: weight version now %r", metadata.weight_version)
+                self._record_weight_version(metadata.weight_version)
             if metadata.generation != self._generation:
                 tracker.reset()  # vLLM resets the prefix cache only with no output in flight
                 self._generation = metadata.generation
@@ -332,6 +366,9 @@ class ArtifactWorkerConnector:
             if self._publisher is not None:
                 self._publisher.close()
                 self._publisher = None
+            if self._node_stores is not None:
+                self._node_stores.close()
+                self._node_stores = None
             if self._store is not None:
                 self._store.close()
                 self._store = None

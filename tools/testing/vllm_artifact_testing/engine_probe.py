@@ -23,6 +23,7 @@ def connector_stats(llm: Any) -> dict[str, int]:
         store = connector.store.stats()
         return {
             "reads": connector.reads,
+            "adopted": connector.adopted,
             "tails": connector.tails_published,
             "objects": store.objects,
             "bytes_used": store.bytes_used,

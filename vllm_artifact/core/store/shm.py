@@ -30,7 +30,7 @@ import numpy as np
 from vllm_artifact.core.keys import ObjectKey, keys_to_words
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore, PutItem, StoreStats
-from vllm_artifact.core.store.shm_arena import Arena, ArenaGeometry, open_arena
+from vllm_artifact.core.store.shm_arena import ARENA_NAME, Arena, ArenaGeometry, open_arena
 from vllm_artifact.core.store.shm_gc import StaleStoreDir, WriterLock, collect_expired_stores
 from vllm_artifact.core.store.shm_metrics import METRICS_NAME, StoreMetrics
 from vllm_artifact.core.store.shm_read import ScrubReport, StoreReads
@@ -43,6 +43,7 @@ from vllm_artifact.core.store.shm_root import (
     open_store_dir,
 )
 from vllm_artifact.core.store.shm_slots import SlotTable
+from vllm_artifact.core.store.shm_versions import read_weight_versions, record_weight_version
 from vllm_artifact.core.store.shm_write import BatchBuilder, PutBatch, StoreWrites
 from vllm_artifact.errors import (
     StoreError,
@@ -184,6 +185,16 @@ class ShmStore(ObjectStore):
     def geometry(self) -> ArenaGeometry:
         return self._live().geometry
 
+    def is_current(self) -> bool:
+        """Whether ``root/name/arena`` is still the file this handle maps (False once the
+        store was removed or replaced: a reader should drop the handle, which keeps the old
+        file's memory allocated)."""
+        try:
+            file_stat = os.stat(f"{self.root}/{self.name}/{ARENA_NAME}", follow_symlinks=False)
+        except OSError:
+            return False
+        return (file_stat.st_dev, file_stat.st_ino) == self._live().file_id
+
     def _live(self) -> Arena:
         return self._reads.live()
 
@@ -248,6 +259,17 @@ class ShmStore(ObjectStore):
             pinned=stats.pinned_objects,
             evictions=stats.evictions,
         )
+
+    def record_weight_version(self, version: str) -> None:
+        """Record that objects are keyed under ``version`` from now on (writer only), so an
+        engine that misses them can name the version they are under (:mod:`.shm_versions`)."""
+        with self._mutex:
+            self._writer()
+            record_weight_version(self.root, self.name, version)
+
+    def weight_versions(self) -> tuple[str, ...]:
+        """The weight versions the store's writer recorded, oldest first."""
+        return read_weight_versions(self.root, self.name)
 
     def heartbeat(self) -> None:
         """Refresh the writer's liveness marker (also done on every put)."""

@@ -140,11 +140,20 @@ class Arena:
     """A mapped arena: numpy views over its sections (read-only for readers)."""
 
     def __init__(
-        self, mapping: mmap.mmap, geometry: ArenaGeometry, *, writable: bool, incarnation: int
+        self,
+        mapping: mmap.mmap,
+        geometry: ArenaGeometry,
+        *,
+        writable: bool,
+        incarnation: int,
+        file_id: tuple[int, int] = (0, 0),
     ) -> None:
         self.geometry = geometry
         self.writable = writable
         self.incarnation = incarnation
+        #: ``(st_dev, st_ino)`` of the mapped file: a handle whose store was removed or
+        #: replaced since (its name now names another file, or none) can tell.
+        self.file_id = file_id
         self._mapping: mmap.mmap | None = mapping
         buf = memoryview(mapping)
         self._buf: memoryview | None = buf
@@ -281,8 +290,15 @@ def create_arena(dir_fd: int, geometry: ArenaGeometry, *, where: str) -> Arena:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
+    file_stat = os.fstat(fd)
     os.close(fd)
-    return Arena(mapping, geometry, writable=True, incarnation=incarnation)
+    return Arena(
+        mapping,
+        geometry,
+        writable=True,
+        incarnation=incarnation,
+        file_id=(file_stat.st_dev, file_stat.st_ino),
+    )
 
 
 def open_arena(dir_fd: int, *, writable: bool, where: str) -> Arena:
@@ -290,7 +306,8 @@ def open_arena(dir_fd: int, *, writable: bool, where: str) -> Arena:
     flags = os.O_RDWR if writable else os.O_RDONLY
     fd = open_file(dir_fd, ARENA_NAME, flags, where=where)
     try:
-        size = os.fstat(fd).st_size
+        file_stat = os.fstat(fd)
+        size = file_stat.st_size
         geometry, incarnation = _parse_superblock(os.pread(fd, _PAGE, 0), f"{where}/arena")
         if size != geometry.file_nbytes:
             raise StoreFormatError(
@@ -301,4 +318,10 @@ def open_arena(dir_fd: int, *, writable: bool, where: str) -> Arena:
         mapping = mmap.mmap(fd, size, _MAP_FLAGS, prot)
     finally:
         os.close(fd)
-    return Arena(mapping, geometry, writable=writable, incarnation=incarnation)
+    return Arena(
+        mapping,
+        geometry,
+        writable=writable,
+        incarnation=incarnation,
+        file_id=(file_stat.st_dev, file_stat.st_ino),
+    )

@@ -27,6 +27,7 @@ from vllm_artifact.core.store.shm_arena import (
 from vllm_artifact.core.store.shm_index import HashIndex
 from vllm_artifact.core.store.shm_root import check_shm_space
 from vllm_artifact.core.store.shm_slots import SlotTable
+from vllm_artifact.core.store.shm_versions import VERSIONS_TMP_PREFIX
 from vllm_artifact.errors import StoreFormatError
 
 __all__ = ["RecoveryReport", "heal_index", "open_writer_arena", "retire_slots"]
@@ -72,7 +73,7 @@ def open_writer_arena(
     it has ``geometry``, else a new one (an unreadable or differently sized arena is
     replaced, its objects dropped)."""
     for entry in os.scandir(dir_fd):
-        if entry.name.startswith(TMP_PREFIX):
+        if entry.name.startswith((TMP_PREFIX, VERSIONS_TMP_PREFIX)):
             os.unlink(entry.name, dir_fd=dir_fd)  # an interrupted creation
     reason = "new store"
     try:

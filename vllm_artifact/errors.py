@@ -29,6 +29,7 @@ __all__ = [
     "StoreFormatError",
     "StoreNotFoundError",
     "StoreReadOnlyError",
+    "StoreUnavailableError",
     "UnknownRequestError",
     "UnsafeRootError",
     "VllmIncompatibleError",
@@ -122,6 +123,13 @@ class StoreReadOnlyError(StoreError):
     """A mutating call was made on a read-only store handle."""
 
     reason = "read_only"
+
+
+class StoreUnavailableError(StoreError):
+    """A remote store cannot be reached (its master is down, unreachable or restarting):
+    nothing was read, and a write may be partial."""
+
+    reason = "unavailable"
 
 
 class StoreNotFoundError(StoreError):

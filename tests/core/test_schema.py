@@ -156,3 +156,29 @@ def test_canonical_distinguishes_layouts() -> None:
         R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16, dense_layers=(1,)),
     ]
     assert len({base.canonical(), *(v.canonical() for v in variants)}) == 6
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16),
+        R3Layout(num_layers=4, top_k=4, num_experts=300, block_size=32, dense_layers=(1,)),
+        R3Layout(num_layers=6, top_k=2, num_experts=8, block_size=16, dense_layers=(0, 2, 5)),
+    ],
+)
+def test_layout_reads_back_from_its_canonical_text(layout: R3Layout) -> None:
+    assert R3Layout.from_canonical(layout.canonical()) == layout
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "r3-layout/v1;layers=4",
+        # a dtype the fields do not give (300 experts need uint16)
+        "r3-layout/v2;layers=4;top_k=4;experts=300;block=32;dense=[1];dtype=uint8;dense_mark=255",
+        "r3-layout/v2;layers=4;top_k=4;experts=8;block=32;dense=[7];dtype=uint8;dense_mark=255",
+    ],
+)
+def test_a_text_that_is_not_a_layout_is_refused(text: str) -> None:
+    with pytest.raises(SchemaError):
+        R3Layout.from_canonical(text)

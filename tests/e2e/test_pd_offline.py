@@ -11,11 +11,7 @@ mismatched weight versions fail that one request closed while both engines serve
 
 from __future__ import annotations
 
-import io
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +19,11 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 from vllm_artifact_testing.engine_env import ENGINE_KWARGS
-from vllm_artifact_testing.engine_probe import assert_matches_oracle, connector_stats
+from vllm_artifact_testing.engine_probe import (
+    assert_matches_oracle,
+    connector_stats,
+    read_handle_elsewhere,
+)
 
 from vllm_artifact.core.store import ShmStore
 
@@ -102,18 +102,7 @@ def test_keys_path_on_the_decode_side_is_read_by_a_third_process(
     text = prompt("keys")
     arrays = disaggregated(pair, text)
     handle = pair[1].generate([text], KEYS)[0].outputs[0].routed_experts
-    transport = handle.to_json() if hasattr(handle, "to_json") else json.dumps(handle)
-    reader = (
-        "import sys, numpy\n"
-        "from vllm_artifact.client import read_r3_keys\n"
-        "rows = read_r3_keys(sys.stdin.read(), timeout=60).experts\n"
-        "numpy.save(sys.stdout.buffer, rows)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", reader], input=transport.encode(), capture_output=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    read = np.load(io.BytesIO(done.stdout))
+    read = read_handle_elsewhere(handle.to_json())
     np.testing.assert_array_equal(read, arrays.outputs[0].routed_experts)
     assert_matches_oracle(model_a, arrays)
 

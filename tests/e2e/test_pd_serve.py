@@ -4,7 +4,6 @@ proxy ``python -m vllm_artifact.pd_proxy``; the decode server's R3 equals the or
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
+from vllm_artifact_testing.engine_probe import read_handle_elsewhere
 from vllm_artifact_testing.server import RunningServer, free_port, vllm_servers
 
 from vllm_artifact.client import decode_r3
@@ -115,19 +115,7 @@ def test_keys_path_through_the_proxy_read_by_another_process(proxy: str, model_a
     arrays = completion(proxy, model_a, prompt)["choices"][0]
     keys = completion(proxy, model_a, prompt, vllm_xargs={"routed_experts_format": "keys"})
     handle = keys["choices"][0]["routed_experts"]
-    reader = (
-        "import sys, numpy\n"
-        "from vllm_artifact.client import read_r3_keys\n"
-        "numpy.save(sys.stdout.buffer, read_r3_keys(sys.stdin.read(), timeout=60).experts)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", reader],
-        input=(handle if isinstance(handle, str) else json.dumps(handle)).encode(),
-        capture_output=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    read = np.load(io.BytesIO(done.stdout))
+    read = read_handle_elsewhere(handle if isinstance(handle, str) else json.dumps(handle))
     np.testing.assert_array_equal(read, decode_r3(arrays).experts)
     assert_oracle(model_a, arrays, read)
 

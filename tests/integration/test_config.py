@@ -10,7 +10,9 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -191,6 +193,10 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         "capacity": 512 * 2**20,
         "ttl_seconds": 1800.0,
         "keys_lease_seconds": 90.0,
+        "mooncake_master": None,
+        "mooncake_metadata": "P2PHANDSHAKE",
+        "mooncake_host": None,
+        "mooncake_buffer": 256 * 2**20,
     }
     vllm_config = SimpleNamespace(
         additional_config={KEY: entry, "other": 1},
@@ -227,7 +233,7 @@ def from_cli(parser: FlexibleArgumentParser, *flags: str) -> AsyncEngineArgs:
 
 ALL_FLAGS = (
     "--artifact-backend",
-    "shm",
+    "mooncake",
     "--artifact-root",
     "/dev/shm/rl-run",
     "--artifact-capacity",
@@ -236,13 +242,25 @@ ALL_FLAGS = (
     "30m",
     "--artifact-keys-lease",
     "5m",
+    "--artifact-mooncake-master",
+    "10.0.0.5:50051",
+    "--artifact-mooncake-metadata",
+    "http://10.0.0.5:8080/metadata",
+    "--artifact-mooncake-host",
+    "10.0.0.7",
+    "--artifact-mooncake-buffer",
+    "64MiB",
 )
 ALL_ENTRY = {
-    "backend": "shm",
+    "backend": "mooncake",
     "root": "/dev/shm/rl-run",
     "capacity": 8 * 2**30,
     "ttl_seconds": 1800.0,
     "keys_lease_seconds": 300.0,
+    "mooncake_master": "10.0.0.5:50051",
+    "mooncake_metadata": "http://10.0.0.5:8080/metadata",
+    "mooncake_host": "10.0.0.7",
+    "mooncake_buffer": 64 * 2**20,
 }
 
 
@@ -257,11 +275,15 @@ def test_keywords_reach_additional_config() -> None:
     engine_args = EngineArgs(
         model=MODEL,
         enable_routed_experts=True,
-        artifact_backend="shm",
+        artifact_backend="mooncake",
         artifact_root="/dev/shm/rl-run",
         artifact_capacity="8GiB",
         artifact_ttl="30m",
         artifact_keys_lease="5m",
+        artifact_mooncake_master="10.0.0.5:50051",
+        artifact_mooncake_metadata="http://10.0.0.5:8080/metadata",
+        artifact_mooncake_host="10.0.0.7",
+        artifact_mooncake_buffer="64MiB",
         additional_config=user_additional,
     )
     assert engine_args.additional_config == {"mine": 1, KEY: ALL_ENTRY}
@@ -327,7 +349,16 @@ def test_unknown_backend_fails_while_parsing(
         ({"artifact_capacity": -1}, r"artifact_capacity=-1: capacity must be more than 0"),
         ({"artifact_ttl": "1w"}, r"--artifact-ttl / artifact_ttl='1w'.*--artifact-ttl 1h"),
         ({"artifact_root": "shm/rel"}, r"artifact_root='shm/rel': root must be an absolute"),
-        ({"artifact_backend": "s3"}, r"artifact_backend='s3'.*--artifact-backend shm"),
+        ({"artifact_backend": "s3"}, r"artifact_backend='s3'.*--artifact-backend mooncake"),
+        (
+            {"artifact_backend": "mooncake"},
+            r"mooncake backend needs the master's address: --artifact-mooncake-master HOST:PORT",
+        ),
+        (
+            {"artifact_backend": "mooncake", "artifact_mooncake_master": "10.0.0.5"},
+            r"artifact_mooncake_master='10.0.0.5': must be HOST:PORT",
+        ),
+        ({"artifact_mooncake_buffer": "auto"}, r"takes a size, e.g. 256MiB, not 'auto'"),
     ],
 )
 def test_bad_keyword_values_fail_at_engine_args(kwargs: dict[str, Any], match: str) -> None:
@@ -503,6 +534,26 @@ def test_cross_node_connector_named_by_vllm_rejected(tiny_model: str, shm_dir: P
         ArtifactConfigError, match=r"NixlConnector \(kv_role='kv_both'\): this connector moves KV"
     ):
         build(tiny_model, shm_dir, kv_transfer_config=kv)
+
+
+def test_mooncake_master_that_does_not_answer_is_a_startup_error(
+    tiny_model: str, shm_dir: Path
+) -> None:
+    with socket.socket() as unused:  # a loopback port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(
+        ArtifactConfigError,
+        match=rf"--artifact-mooncake-master 127.0.0.1:{port}: no Mooncake master answers there",
+    ):
+        build(
+            tiny_model,
+            shm_dir,
+            artifact_backend="mooncake",
+            artifact_mooncake_master=f"127.0.0.1:{port}",
+        )
+    assert time.monotonic() - started < 10  # not Mooncake's own 90-second wait
 
 
 def test_kv_both_offload_connector_supported(tiny_model: str, shm_dir: Path) -> None:

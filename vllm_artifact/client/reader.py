@@ -13,6 +13,7 @@ partial or another request's R3.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -20,8 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_artifact.client.experts import RoutedExperts
-from vllm_artifact.core.handoff import R3Keys, RowsDigest
-from vllm_artifact.core.store import ShmStore
+from vllm_artifact.core.handoff import R3Keys, RowsDigest, StoreAddress
+from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.store import ObjectStore, ShmStore
 from vllm_artifact.errors import KeyCollisionError, ObjectMissingError, SchemaError
 
 __all__ = ["R3Reader", "read_r3_keys"]
@@ -42,7 +44,7 @@ class R3Reader:
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.timeout = timeout
-        self._stores: OrderedDict[tuple[str, str], ShmStore] = OrderedDict()
+        self._stores: OrderedDict[StoreAddress, ObjectStore] = OrderedDict()
         self._lock = threading.Lock()
 
     def read(
@@ -81,7 +83,7 @@ class R3Reader:
         rows = out[skip : skip + handle.num_rows]
         if handle.rows_xxh3 is not None and RowsDigest.of(rows) != handle.rows_xxh3:
             raise KeyCollisionError(
-                f"R3 store {handle.store.root}/{handle.store.name} holds other routing under "
+                f"R3 store {handle.store.describe()} holds other routing under "
                 "this handle's keys than its request used (another request published the same "
                 "token blocks first with different routing, e.g. nondeterministic GPU kernels; "
                 "the store keeps the first): this request's R3 is not available from the "
@@ -89,18 +91,18 @@ class R3Reader:
             )
         return RoutedExperts(rows, store.layout.dense_layers)
 
-    def _store(self, handle: R3Keys, *, fresh: bool) -> ShmStore:
-        address = (handle.store.root, handle.store.name)
+    def _store(self, handle: R3Keys, *, fresh: bool) -> ObjectStore:
+        address = handle.store
         with self._lock:
             store = self._stores.pop(address, None)
             if store is None or fresh:
-                store = ShmStore.open_reader(*address)
+                store = _open_reader(address, handle.layout)
             self._stores[address] = store
             while len(self._stores) > _MAX_OPEN_STORES:
                 self._stores.popitem(last=False)
         if store.layout.canonical() != handle.layout:
             raise SchemaError(
-                f"R3 store {address[0]}/{address[1]} holds layout {store.layout.canonical()!r}, "
+                f"R3 store {address.describe()} holds layout {store.layout.canonical()!r}, "
                 f"the handle wants {handle.layout!r}"
             )
         if store.layout.block_size != handle.block_size:
@@ -117,6 +119,32 @@ class R3Reader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _open_reader(address: StoreAddress, layout: str) -> ObjectStore:
+    """A read-only handle on the store a keys handle names: a /dev/shm store of this node, or
+    a Mooncake Store (from any node; a client that adds no memory to it)."""
+    if address.backend == "shm":
+        return ShmStore.open_reader(address.root, address.name)
+    from vllm_artifact.core.store.mooncake import MooncakeStore
+
+    return MooncakeStore.connect(
+        master_address=address.root,
+        metadata_url=str(address.metadata),
+        local_hostname=host_address(),
+        layout=R3Layout.from_canonical(layout),
+        key_prefix=address.name,
+        segment_bytes=0,
+        writable=False,
+    )
+
+
+def host_address() -> str:
+    """This host's address, as the Mooncake transfer engine advertises it."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 _DEFAULT: R3Reader | None = None

@@ -44,12 +44,29 @@ _HexKey = Annotated[str, Field(pattern=rf"^[0-9a-f]{{{2 * KEY_NBYTES}}}$")]
 
 
 class StoreAddress(BaseModel):
-    """Where a store lives on this node: its root directory and its name under the root."""
+    """Where a handle's objects are. ``shm``: a store on this node, its root directory and its
+    name under the root. ``mooncake``: a Mooncake Store, readable from any node, as its
+    master's address (``root``), metadata service (``metadata``) and our key prefix there
+    (``name``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    backend: Literal["shm", "mooncake"] = "shm"
     root: str = Field(min_length=1, max_length=4096)
     name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$")
+    metadata: str | None = Field(default=None, min_length=1, max_length=4096)
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> StoreAddress:
+        if (self.metadata is None) != (self.backend == "shm"):
+            raise ValueError("a mooncake store address has a metadata service, a shm one none")
+        return self
+
+    def describe(self) -> str:
+        """The address in words, for messages."""
+        if self.backend == "shm":
+            return f"{self.root}/{self.name}"
+        return f"mooncake master {self.root}, prefix {self.name}"
 
 
 @dataclass(frozen=True)

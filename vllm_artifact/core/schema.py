@@ -19,6 +19,7 @@ with a dense entry by mistake fails instead of silently using expert 0.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -53,6 +54,13 @@ def dtype_for_experts(num_experts: int, top_k: int) -> np.dtype[np.unsignedinteg
     raise SchemaError(
         f"{num_experts} experts with top-1 routing leave no uint16 value to mark dense layers"
     )
+
+
+_CANONICAL_RE = re.compile(
+    r"r3-layout/v2;layers=(?P<layers>\d{1,6});top_k=(?P<top_k>\d{1,6});"
+    r"experts=(?P<experts>\d{1,9});block=(?P<block>\d{1,9});dense=\[(?P<dense>[\d,]{0,100000})\];"
+    r"dtype=\w+;dense_mark=\d+"
+)
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,25 @@ class R3Layout:
             f"experts={self.num_experts};block={self.block_size};dense=[{dense}];"
             f"dtype={self.dtype.name};dense_mark={self.dense_mark}"
         )
+
+    @classmethod
+    def from_canonical(cls, text: str) -> R3Layout:
+        """The layout :meth:`canonical` wrote (a keys handle names its layout so; a reader of a
+        store without a header of its own, such as Mooncake, takes it from there)."""
+        match = _CANONICAL_RE.fullmatch(text) if isinstance(text, str) else None
+        if match is None:
+            raise SchemaError(f"not an R3 layout: {text!r}")
+        dense = match["dense"]
+        layout = cls(
+            num_layers=int(match["layers"]),
+            top_k=int(match["top_k"]),
+            num_experts=int(match["experts"]),
+            block_size=int(match["block"]),
+            dense_layers=tuple(int(i) for i in dense.split(",")) if dense else (),
+        )
+        if layout.canonical() != text:
+            raise SchemaError(f"R3 layout {text!r} does not match its own fields")
+        return layout
 
     def empty(self, num_tokens: int) -> np.ndarray:
         """Uninitialized array for ``num_tokens`` rows."""

@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from vllm_artifact.core.store import default_root
 
@@ -35,6 +43,7 @@ ADDITIONAL_CONFIG_KEY = "vllm_artifact"
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
 _DURATION_RE = re.compile(r"(?i)\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|h|d)?\s*")
+_HOST_PORT_RE = re.compile(r"[A-Za-z0-9._-]+:\d{1,5}|\[[0-9A-Fa-f:.]+\]:\d{1,5}")
 _SECONDS_PER_UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -102,8 +111,9 @@ class ArtifactConfig(BaseModel):
 
     enabled: bool = False
     """R3 on: mirrors vLLM's ``aux_output_config.enable_return_routed_experts``."""
-    backend: Literal["shm"] = "shm"
-    """Object-store backend; only the same-node ``/dev/shm`` store exists."""
+    backend: Literal["shm", "mooncake"] = "shm"
+    """Object-store backend: the same-node ``/dev/shm`` store, or Mooncake Store (a
+    distributed store: R3 readable from other nodes)."""
     root: Path = Field(default_factory=lambda: Path(default_root()))
     """Store root directory; must be a private directory under ``/dev/shm`` (checked at
     startup, where the filesystem is looked at)."""
@@ -114,6 +124,42 @@ class ArtifactConfig(BaseModel):
     """Stores whose writer is gone are collected after this long."""
     keys_lease_seconds: float = 600.0
     """The objects a keys-only handle names stay pinned this long after the response."""
+    mooncake_master: str | None = None
+    """``HOST:PORT`` of the Mooncake master's RPC service (backend ``mooncake``)."""
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    """Mooncake's metadata service: ``http://HOST:PORT/metadata`` (the master's HTTP metadata
+    server) or ``P2PHANDSHAKE`` (peers exchange it directly)."""
+    mooncake_host: str | None = None
+    """The address other nodes reach this engine's Mooncake segment at (default: this host's
+    name resolved to an address)."""
+    mooncake_buffer: int = 256 * 2**20
+    """Bytes of the Mooncake client's local transfer buffer (reads and writes go through it)."""
+
+    @field_validator("mooncake_master", mode="before")
+    @classmethod
+    def _host_port(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, str) or not _HOST_PORT_RE.fullmatch(value):
+            raise ValueError(f"must be HOST:PORT, e.g. 10.0.0.5:50051, got {value!r}")
+        return value
+
+    @field_validator("mooncake_buffer", mode="before")
+    @classmethod
+    def _buffer_size(cls, value: Any) -> int:
+        size = parse_size(value)
+        if size == "auto":
+            raise ValueError("the Mooncake buffer takes a size, e.g. 256MiB, not 'auto'")
+        return size
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> ArtifactConfig:
+        if self.backend == "mooncake" and self.mooncake_master is None:
+            raise ValueError(
+                "the mooncake backend needs the master's address: --artifact-mooncake-master "
+                "HOST:PORT (LLM keyword artifact_mooncake_master=)"
+            )
+        return self
 
     @field_validator("root", mode="before")
     @classmethod
@@ -144,6 +190,10 @@ class ArtifactConfig(BaseModel):
             "capacity": self.capacity,
             "ttl_seconds": self.ttl_seconds,
             "keys_lease_seconds": self.keys_lease_seconds,
+            "mooncake_master": self.mooncake_master,
+            "mooncake_metadata": self.mooncake_metadata,
+            "mooncake_host": self.mooncake_host,
+            "mooncake_buffer": self.mooncake_buffer,
         }
 
     @classmethod

@@ -60,11 +60,13 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
     StoreOption(
         kwarg="artifact_backend",
         field="backend",
-        metavar="{shm}",
-        example="shm",
+        metavar="{shm,mooncake}",
+        example="mooncake",
         parse=str,
-        choices=("shm",),
-        help="Object store for R3 objects. Only 'shm' (same-node /dev/shm) exists. Default: shm.",
+        choices=("shm", "mooncake"),
+        help="Object store for R3 objects: 'shm' (same-node /dev/shm) or 'mooncake' (Mooncake "
+        "Store, readable from other nodes; needs vllm-artifact[mooncake] and "
+        "--artifact-mooncake-master). Default: shm.",
     ),
     StoreOption(
         kwarg="artifact_root",
@@ -103,6 +105,41 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
         help="The objects a keys-only handle names stay in the store (pinned) this long after "
         "the response, however full the store gets: read handles within it, e.g. 90s, 10m or "
         "seconds. Leased objects count against --artifact-capacity. Default: 10m.",
+    ),
+    StoreOption(
+        kwarg="artifact_mooncake_master",
+        field="mooncake_master",
+        metavar="HOST:PORT",
+        example="10.0.0.5:50051",
+        parse=str,
+        help="Backend mooncake: the Mooncake master's RPC address (mooncake_master --rpc_port).",
+    ),
+    StoreOption(
+        kwarg="artifact_mooncake_metadata",
+        field="mooncake_metadata",
+        metavar="URL|P2PHANDSHAKE",
+        example="http://10.0.0.5:8080/metadata",
+        parse=str,
+        help="Backend mooncake: the metadata service, the master's HTTP metadata server "
+        "(mooncake_master --enable_http_metadata_server) or P2PHANDSHAKE. Default: "
+        "P2PHANDSHAKE.",
+    ),
+    StoreOption(
+        kwarg="artifact_mooncake_host",
+        field="mooncake_host",
+        metavar="ADDRESS",
+        example="10.0.0.7",
+        parse=str,
+        help="Backend mooncake: the address other nodes reach this engine's segment at. "
+        "Default: this host's name, resolved.",
+    ),
+    StoreOption(
+        kwarg="artifact_mooncake_buffer",
+        field="mooncake_buffer",
+        metavar="SIZE",
+        example="256MiB",
+        parse=parse_size,
+        help="Backend mooncake: the client's local transfer buffer. Default: 256MiB.",
     ),
 )
 

@@ -15,8 +15,10 @@ e.g. a KV transfer config from ``--kv-offloading-size``) and the store root on d
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import socket
 import stat
 from typing import Any
 
@@ -192,11 +194,39 @@ def check_vllm_config(vllm_config: Any) -> ArtifactConfig:
     if not model_config.is_moe or experts <= 0:
         raise ArtifactConfigError(_NOT_MOE.format(model=model_config.model, experts=experts))
     config = ArtifactConfig.from_vllm_config(vllm_config)
+    if config.backend == "mooncake":
+        check_mooncake(config)
+        return config
     check_store_root(config)
     if config.capacity != "auto":
         engines = max(1, parallel.data_parallel_size_local)
         check_store_space(config, config.capacity * engines, engines=engines)
     return config
+
+
+def check_mooncake(config: ArtifactConfig, *, timeout: float = 3.0) -> None:
+    """Backend ``mooncake``: the client library is installed and the master answers.
+
+    Mooncake's own client waits about 90 s for a master that is not there; a TCP connect to
+    its RPC port answers in ``timeout`` seconds at most, so a wrong address is a startup error
+    that names it.
+    """
+    if importlib.util.find_spec("mooncake") is None:
+        raise ArtifactConfigError(
+            "--artifact-backend mooncake needs Mooncake's client: pip install "
+            "'vllm-artifact[mooncake]' (and the system library libibverbs.so.1: apt-get "
+            "install libibverbs1), or use --artifact-backend shm."
+        )
+    master = str(config.mooncake_master)
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise ArtifactConfigError(
+            f"--artifact-mooncake-master {master}: no Mooncake master answers there ({err}). "
+            "Start mooncake_master (--rpc_port) on that address first, or fix the address."
+        ) from None
 
 
 def check_store_root(config: ArtifactConfig) -> None:

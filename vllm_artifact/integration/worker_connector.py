@@ -26,18 +26,21 @@ import torch
 
 from vllm_artifact.contract import PendingStep, StepResult, WorkerConnector
 from vllm_artifact.core.failure import R3Failure
-from vllm_artifact.core.handoff import KeysContext, StoreAddress
-from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
+from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.publisher import BackgroundPublisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
-from vllm_artifact.core.store import ShmStore, check_shm_space
+from vllm_artifact.core.store import ObjectStore, ShmStore
 from vllm_artifact.core.store.node_stores import NodeStores
-from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
+from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.errors import InternalError
 from vllm_artifact.integration.config import ArtifactConfig
-from vllm_artifact.integration.engine_store import open_engine_store
+from vllm_artifact.integration.engine_store import (
+    EngineStore,
+    open_backend,
+    record_weight_version,
+)
 from vllm_artifact.integration.kv_events import eviction_id
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
@@ -112,7 +115,8 @@ class ArtifactWorkerConnector:
         self._lock = threading.Lock()  # MRV2's output thread and the step thread both call in
         self._generation = 0
         self._step_active = False
-        self._store: ShmStore | None = None
+        self._engine_store: EngineStore | None = None
+        self._store: ObjectStore | None = None
         self._node_stores: NodeStores | None = None
         self._publisher: BackgroundPublisher | None = None
         self._tracker: RequestTracker | None = None
@@ -138,15 +142,17 @@ class ArtifactWorkerConnector:
         kv_hash_blocks = kv_blocks * (scheduler_block_size // hash_block_size)
         capacity = self._capacity(config, kv_hash_blocks)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
-        # A restarted engine reuses or replaces its own arena: its bytes count as free.
-        own_arena = config.root / self._store_name(dp_rank) / ARENA_NAME
-        reclaimable = own_arena.stat().st_size if own_arena.is_file() else 0
-        check_shm_space(config.root, capacity, reclaimable_bytes=reclaimable)
-        self._store = self._open_store(config, capacity, dp_rank)
-        self._record_weight_version(DEFAULT_WEIGHT_VERSION)
-        # KV hits on blocks another engine of this node computed (a PD producer, a shared KV
-        # tier) read their R3 from that engine's store: same model and layout, same root.
-        self._node_stores = NodeStores(self._store, self._store_family())
+        self._engine_store = open_backend(
+            config,
+            family=self._store_family(),
+            dp_rank=dp_rank,
+            layout=self._layout,
+            capacity=capacity,
+        )
+        self._store = self._engine_store.store
+        # With /dev/shm, KV hits on blocks another engine of this node computed (a PD
+        # producer, a shared KV tier) read their R3 from that engine's store.
+        self._node_stores = self._engine_store.node_stores
         self._publisher = BackgroundPublisher(self._store)
         self._tracker = RequestTracker(
             self._layout,
@@ -161,34 +167,35 @@ class ArtifactWorkerConnector:
             lease_seconds=config.keys_lease_seconds,
             node_stores=self._node_stores,
         )
-        self._keys_context = KeysContext(
-            StoreAddress(root=str(self._store.root), name=self._store.name),
-            self._model_id,
-            self._layout,
-        )
+        self._keys_context = KeysContext(self._engine_store.address, self._model_id, self._layout)
         logger.info(
-            "vllm-artifact: R3 store root=%s name=%s capacity=%.1f MiB ttl=%.0f s "
+            "vllm-artifact: R3 store %s (%s) capacity=%.1f MiB ttl=%.0f s "
             "(KV, offloaded KV included, holds %d blocks of %d tokens) namespace: %s",
-            config.root,
-            self._store.name,
+            self._engine_store.address.describe(),
+            config.backend,
             capacity / 2**20,
             config.ttl_seconds,
             kv_hash_blocks,
             hash_block_size,
             self._tracker.namespace.describe(),
         )
-        recovery = self._store.recovery
+        if isinstance(self._store, ShmStore):
+            self._log_shm_store(self._store, capacity, kv_hash_blocks)
+
+    def _log_shm_store(self, store: ShmStore, capacity: int, kv_hash_blocks: int) -> None:
+        """What a restarted engine recovered, and a capacity below the KV cache's R3."""
+        recovery = store.recovery
         if recovery is not None and (recovery.objects or recovery.recreated):
             logger.info(
                 "vllm-artifact: R3 store %s: %s; %d objects kept, %d half-written and %d "
                 "invalid slots dropped",
-                self._store.name,
+                store.name,
                 recovery.reason,
                 recovery.objects,
                 recovery.dropped_partial,
                 recovery.dropped_invalid,
             )
-        slots = self._store.geometry.slot_count
+        slots = store.geometry.slot_count
         if slots < kv_hash_blocks:
             logger.warning(
                 "vllm-artifact: --artifact-capacity %.1f MiB holds %d R3 blocks but the KV cache "
@@ -215,37 +222,8 @@ class ArtifactWorkerConnector:
         identity = f"{self._model_id}\n{self._layout.canonical()}".encode()
         return f"r3-{hashlib.blake2b(identity, digest_size=6).hexdigest()}-dp"
 
-    def _store_name(self, dp_rank: int) -> str:
-        """One store per model, R3 layout and DP rank (weight versions share it)."""
-        return f"{self._store_family()}{dp_rank}"
-
-    def _record_weight_version(self, version: str) -> None:
-        """Let other engines see which weight versions this store's objects are keyed under
-        (it only sharpens their error messages: a failure is logged, never raised)."""
-        if self._store is None:
-            return
-        try:
-            self._store.record_weight_version(version)
-        except Exception:
-            logger.warning(
-                "vllm-artifact: weight version %r not recorded in store %s",
-                version,
-                self._store.name,
-                exc_info=True,
-            )
-
-    def _open_store(self, config: ArtifactConfig, capacity: int, dp_rank: int) -> ShmStore:
-        """This engine's store (a second live engine on the same root gets another name)."""
-        return open_engine_store(
-            config.root,
-            self._store_name(dp_rank),
-            layout=self._layout,
-            capacity_bytes=capacity,
-            ttl_seconds=config.ttl_seconds,
-        )
-
     @property
-    def store(self) -> ShmStore | None:
+    def store(self) -> ObjectStore | None:
         return self._store
 
     @property
@@ -286,7 +264,8 @@ class ArtifactWorkerConnector:
         with self._lock:
             if tracker.set_weight_version(metadata.weight_version):
                 logger.info("vllm-artifact: weight version now %r", metadata.weight_version)
-                self._record_weight_version(metadata.weight_version)
+                if self._store is not None:
+                    record_weight_version(self._store, metadata.weight_version)
             if metadata.generation != self._generation:
                 tracker.reset()  # vLLM resets the prefix cache only with no output in flight
                 self._generation = metadata.generation
@@ -366,12 +345,10 @@ class ArtifactWorkerConnector:
             if self._publisher is not None:
                 self._publisher.close()
                 self._publisher = None
-            if self._node_stores is not None:
-                self._node_stores.close()
-                self._node_stores = None
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+            if self._engine_store is not None:
+                self._engine_store.close()
+                self._engine_store = None
+                self._store = self._node_stores = None
 
 
 if TYPE_CHECKING:  # mypy holds both classes to the contract's protocols

@@ -1,8 +1,12 @@
 """Look inside a running offline engine from a test: connector counters, executed tokens,
-and the oracle check of one completion."""
+the oracle check of one completion, and a keys handle read by another process."""
 
 from __future__ import annotations
 
+import io
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +65,26 @@ def assert_matches_oracle(model: str | Path, output: Any, index: int = 0) -> np.
     assert experts.shape[0] == len(tokens)
     assert_routing_matches(experts, hf_router_topk(model, tokens))
     return experts
+
+
+_READ_HANDLE = """
+import sys, numpy
+from vllm_artifact.client import read_r3_keys
+numpy.save(sys.stdout.buffer, read_r3_keys(sys.stdin.read(), timeout=60).experts)
+"""
+
+
+def read_handle_elsewhere(handle_json: str, env: Mapping[str, str] | None = None) -> np.ndarray:
+    """Rows of a keys handle (its JSON text) read by ``read_r3_keys`` in a separate Python
+    process, as a trainer would read it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_HANDLE],
+        input=handle_json.encode(),
+        capture_output=True,
+        timeout=300,
+        env=None if env is None else dict(env),
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"the reader process failed: {done.stderr.decode()[-3000:]}")
+    rows: np.ndarray = np.load(io.BytesIO(done.stdout))
+    return rows

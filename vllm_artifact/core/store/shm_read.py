@@ -31,7 +31,7 @@ from vllm_artifact.errors import (
     StoreClosedError,
 )
 
-__all__ = ["Located", "ScrubReport", "StoreReads"]
+__all__ = ["Located", "ScrubReport", "StoreReads", "check_read_target", "verify_copies"]
 
 _READ_ATTEMPTS = 4
 #: numpy keeps the GIL in fancy indexing of at most this many items and releases it above
@@ -170,24 +170,7 @@ class StoreReads:
 
     def read_into(self, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int) -> None:
         """Objects ``keys`` back to back into ``out`` (see ``ObjectStore.read_into``)."""
-        layout = self.layout
-        if (
-            not isinstance(out, np.ndarray)
-            or out.dtype != layout.dtype
-            or out.ndim != 3
-            or (
-                out.shape[1:] != layout.row_shape
-                or not out.flags.c_contiguous
-                or not out.flags.writeable
-            )
-        ):
-            raise SchemaError(
-                f"read_into needs a writable C-contiguous {layout.dtype} array [tokens, "
-                f"{layout.num_layers}, {layout.top_k}]"
-            )
-        if not keys:
-            if len(out):
-                raise SchemaError(f"no keys given for {len(out)} rows")
+        if not check_read_target(self.layout, keys, out):
             return
         self._read(keys, _IntoArray(self, keys, out, token_start))
 
@@ -307,6 +290,28 @@ class StoreReads:
         ):
             start = slot * slot_nbytes
             out[at : at + size] = payload[start : start + size]
+
+
+def check_read_target(layout: R3Layout, keys: Sequence[ObjectKey], out: object) -> bool:
+    """``read_into``'s arguments, checked for every backend: ``out`` a writable C-contiguous
+    array of the layout's rows; False when there is nothing to read (no keys, no rows)."""
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != layout.dtype
+        or out.ndim != 3
+        or out.shape[1:] != layout.row_shape
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise SchemaError(
+            f"read_into needs a writable C-contiguous {layout.dtype} array [tokens, "
+            f"{layout.num_layers}, {layout.top_k}]"
+        )
+    if not keys:
+        if len(out):
+            raise SchemaError(f"no keys given for {len(out)} rows")
+        return False
+    return True
 
 
 def verify_copies(

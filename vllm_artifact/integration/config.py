@@ -134,6 +134,17 @@ class ArtifactConfig(BaseModel):
     name resolved to an address)."""
     mooncake_buffer: int = 256 * 2**20
     """Bytes of the Mooncake client's local transfer buffer (reads and writes go through it)."""
+    mooncake_segment: Literal["auto"] | int = "auto"
+    """Memory the engine adds to the Mooncake Store for objects: ``auto`` (the store capacity,
+    at least 16 MiB; its objects go when the engine does) or 0 (none: objects go to segments
+    of store nodes, ``mooncake_client`` processes, and outlive the engine)."""
+
+    @field_validator("mooncake_segment", mode="before")
+    @classmethod
+    def _segment_size(cls, value: Any) -> int | Literal["auto"]:
+        if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+            return 0
+        return parse_size(value)
 
     @field_validator("mooncake_master", mode="before")
     @classmethod
@@ -194,6 +205,7 @@ class ArtifactConfig(BaseModel):
             "mooncake_metadata": self.mooncake_metadata,
             "mooncake_host": self.mooncake_host,
             "mooncake_buffer": self.mooncake_buffer,
+            "mooncake_segment": self.mooncake_segment,
         }
 
     @classmethod

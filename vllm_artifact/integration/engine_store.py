@@ -91,8 +91,7 @@ def open_backend(
             local_hostname=config.mooncake_host or host_address(),
             layout=layout,
             key_prefix=base,
-            # Mooncake refuses segments below 16 MiB.
-            segment_bytes=max(capacity, MOONCAKE_MIN_SEGMENT),
+            segment_bytes=mooncake_segment(config, capacity),
             local_buffer_bytes=config.mooncake_buffer,
         )
         return EngineStore(
@@ -109,6 +108,14 @@ def open_backend(
     return EngineStore(
         shm, StoreAddress(root=str(shm.root), name=shm.name), NodeStores(shm, family)
     )
+
+
+def mooncake_segment(config: ArtifactConfig, capacity: int) -> int:
+    """The memory the engine adds to the Mooncake Store: none with ``0`` (objects go to store
+    nodes), else the capacity, at least the 16 MiB Mooncake accepts."""
+    if config.mooncake_segment == "auto":
+        return max(capacity, MOONCAKE_MIN_SEGMENT)
+    return config.mooncake_segment and max(config.mooncake_segment, MOONCAKE_MIN_SEGMENT)
 
 
 def record_weight_version(store: ObjectStore, version: str) -> None:

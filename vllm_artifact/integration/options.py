@@ -141,6 +141,16 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
         parse=parse_size,
         help="Backend mooncake: the client's local transfer buffer. Default: 256MiB.",
     ),
+    StoreOption(
+        kwarg="artifact_mooncake_segment",
+        field="mooncake_segment",
+        metavar="SIZE|auto|0",
+        example="0",
+        parse=lambda value: 0 if str(value).strip() == "0" else parse_size(value),
+        help="Backend mooncake: memory this engine adds to the store for objects. 'auto': "
+        "the store capacity (at least 16MiB), objects go when the engine does; 0: none, "
+        "objects go to store nodes (mooncake_client) and outlive the engine. Default: auto.",
+    ),
 )
 
 OPTIONS_BY_KWARG = {option.kwarg: option for option in STORE_OPTIONS}

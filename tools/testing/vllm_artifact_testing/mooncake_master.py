@@ -182,3 +182,38 @@ def client_env() -> dict[str, str]:
     """Environment a Mooncake client process on this host needs to be reachable on loopback
     (without it the transfer engine advertises the host's first non-loopback address)."""
     return {**os.environ, "MC_TCP_BIND_ADDRESS": _HOST}
+
+
+@contextlib.contextmanager
+def mooncake_store_node(
+    master: MooncakeMaster, segment: str = "256MB", *, timeout: float = 20.0
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A store node for the block: Mooncake's standalone ``mooncake_client`` adding a
+    ``segment`` of its memory to ``master``'s store, so objects of clients that add none
+    (``--artifact-mooncake-segment 0``) outlive those clients."""
+    (port,) = _free_ports(1)
+    command = [
+        str(Path(master_binary()).with_name("mooncake_client")),
+        f"--global_segment_size={segment}",
+        f"--host={_HOST}",
+        f"--master_server_address={master.master_address}",
+        f"--metadata_server={master.metadata_url}",
+        f"--port={port}",
+    ]
+    log = Path(tempfile.mkdtemp(prefix="mooncake-store-node-")) / "mooncake_client.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=client_env())
+    try:
+        deadline = time.monotonic() + timeout
+        while not port_accepts(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_client did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

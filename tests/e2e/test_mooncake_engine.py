@@ -40,9 +40,10 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 @pytest.fixture(scope="module")
-def mooncake_llm(model_a: Path, master: MooncakeMaster, llm_factory: Any) -> Any:
+def mooncake_llm(model_a: Path, master: MooncakeMaster, store_root: Path, llm_factory: Any) -> Any:
     return llm_factory(
         model_a,
+        artifact_root=str(store_root / "mooncake-metrics"),
         artifact_backend="mooncake",
         artifact_mooncake_master=master.master_address,
         artifact_mooncake_metadata=master.metadata_url,

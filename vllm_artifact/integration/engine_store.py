@@ -27,6 +27,7 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ObjectStore, ShmStore, check_shm_space
 from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.store.shm_arena import ARENA_NAME
+from vllm_artifact.core.store.shm_metrics import StoreMetrics
 from vllm_artifact.errors import WriterConflictError
 from vllm_artifact.integration.config import ArtifactConfig
 
@@ -94,6 +95,8 @@ def open_backend(
             segment_bytes=mooncake_segment(config, capacity),
             local_buffer_bytes=config.mooncake_buffer,
         )
+        # Its counters live on this node, under the root, where /metrics reads every store's.
+        store.metrics = StoreMetrics.create_in(str(config.root), base)
         return EngineStore(
             store, StoreAddress(backend="mooncake", root=master, name=base, metadata=metadata)
         )

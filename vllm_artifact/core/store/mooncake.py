@@ -54,6 +54,7 @@ from vllm_artifact.core.store.mooncake_codes import (
     import_mooncake,
 )
 from vllm_artifact.core.store.mooncake_reads import StagedReads
+from vllm_artifact.core.store.shm_metrics import StoreMetrics
 from vllm_artifact.core.store.shm_write import BatchBuilder, PutBatch
 from vllm_artifact.errors import (
     ArtifactConfigError,
@@ -98,6 +99,8 @@ class MooncakeStore(ObjectStore):
         self._pins: dict[ObjectKey, int] = {}  # pin references of the hard-pinned objects
         self._published = 0  # objects this handle wrote and has not removed
         self._removed = 0  # objects removed when their last pin went
+        #: The writer's exported counters (``/metrics``), set by the engine; None: not counted.
+        self.metrics: StoreMetrics | None = None
 
     @classmethod
     def connect(
@@ -184,6 +187,8 @@ class MooncakeStore(ObjectStore):
                 return
             self._reads.staging.release()
             self._write_stage.release()
+            if self.metrics is not None:
+                self.metrics.close()
             if self._owns_client:
                 client.close()  # takes 1-2 s (Mooncake stops its threads)
 
@@ -239,14 +244,19 @@ class MooncakeStore(ObjectStore):
             return [code == 1 for code in codes]
 
     def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:
+        started = time.perf_counter()
         with self._lock:
-            return self._reads.get(keys)
+            arrays = self._reads.get(keys)
+        self._observe_read(started, len(keys))
+        return arrays
 
     def read_into(
         self, keys: Sequence[ObjectKey], out: np.ndarray, *, token_start: int = 0
     ) -> None:
+        started = time.perf_counter()
         with self._lock:
             self._reads.read_into(keys, out, token_start)
+        self._observe_read(started, len(keys))
 
     # ------------------------------------------------------------------ writing
 
@@ -271,7 +281,33 @@ class MooncakeStore(ObjectStore):
             builder.add_run(keys, rows, token_start)
         self._put_batch(builder.build(), pin)
 
+    def _observe_read(self, started: float, objects: int) -> None:
+        if self.metrics is not None and objects:
+            self.metrics.observe_read(time.perf_counter() - started, objects)
+
+    def _count(self) -> None:
+        """Refresh the exported occupancy gauges (this handle's view, see :meth:`stats`)."""
+        if self.metrics is None:
+            return
+        stats = self.stats()
+        self.metrics.set_occupancy(
+            objects=stats.objects,
+            bytes_used=stats.bytes_used,
+            capacity_bytes=stats.capacity_bytes,
+            pinned=stats.pinned_objects,
+            evictions=stats.evictions,
+        )
+
     def _put_batch(self, batch: PutBatch | None, pin: bool) -> None:
+        started = time.perf_counter()
+        try:
+            self._put_batch_unmetered(batch, pin)
+        finally:
+            self._count()
+        if self.metrics is not None and batch is not None:
+            self.metrics.observe_publish(time.perf_counter() - started, len(batch.keys))
+
+    def _put_batch_unmetered(self, batch: PutBatch | None, pin: bool) -> None:
         """Check existing keys (identical: kept; corrupt: replaced; different: collision,
         before anything is written), write the new ones, then count the pins."""
         if batch is None:
@@ -374,6 +410,7 @@ class MooncakeStore(ObjectStore):
             for key, ok in zip(keys, present, strict=True):
                 if ok:
                     self._pins[key] = self._pins.get(key, 0) + 1
+            self._count()
             return present
 
     def _rewrite_pinned(self, keys: list[ObjectKey]) -> None:
@@ -410,4 +447,5 @@ class MooncakeStore(ObjectStore):
                 before = self._published
                 self._remove(np.arange(len(last)), self.names(last))
                 self._removed += before - self._published
+            self._count()
             return result

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_artifact.core.store.shm_root import allocate
+from vllm_artifact.core.store.shm_root import allocate, open_file, open_root, open_store_dir
 
 __all__ = ["LATENCY_BUCKETS", "METRICS_NAME", "Histogram", "MetricsSnapshot", "StoreMetrics"]
 
@@ -93,6 +93,23 @@ class StoreMetrics:
         words = np.frombuffer(mapping, dtype=np.float64)
         words[_MAGIC_AT] = float(_MAGIC)
         return cls(words, mapping)
+
+    @classmethod
+    def create_in(cls, root: str, name: str) -> StoreMetrics:
+        """Counters of a store that keeps its objects elsewhere (Mooncake), in
+        ``<root>/<name>/metrics`` on the writer's node, where ``/metrics`` reads them."""
+        root_fd = open_root(root, create=True)
+        try:
+            dir_fd = open_store_dir(root_fd, name, create=True, where=root)
+        finally:
+            os.close(root_fd)
+        where = f"{root}/{name}"
+        try:
+            return cls.create(
+                open_file(dir_fd, METRICS_NAME, os.O_RDWR | os.O_CREAT, where=where), where=where
+            )
+        finally:
+            os.close(dir_fd)
 
     def close(self) -> None:
         """Unmap the file (the writer closes its store); later updates go nowhere."""

@@ -24,6 +24,8 @@ from vllm_artifact_testing.mooncake_master import (
     mooncake_store_node,
 )
 
+from vllm_artifact.core.store.shm_metrics import StoreMetrics
+
 pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -53,7 +55,7 @@ def mooncake_llm(model_a: Path, master: MooncakeMaster, store_root: Path, llm_fa
 
 
 def test_r3_through_mooncake_equals_the_oracle_and_hits_read_it_back(
-    mooncake_llm: Any, model_a: Path
+    mooncake_llm: Any, model_a: Path, store_root: Path
 ) -> None:
     def store_kind(worker: Any) -> str:
         connector = worker.model_runner.aux_output_connector
@@ -70,6 +72,12 @@ def test_r3_through_mooncake_equals_the_oracle_and_hits_read_it_back(
     assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
     assert_matches_oracle(model_a, again)
     np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
+    # The engine's counters are on this node, where /metrics reads every store's.
+    (store_dir,) = (store_root / "mooncake-metrics").glob("r3-*")
+    snapshot = StoreMetrics.read(store_dir)
+    assert snapshot is not None and snapshot.published_objects >= before["objects"]
+    assert snapshot.read_objects >= again.num_cached_tokens // 32
+    assert snapshot.pinned_objects > 0 and snapshot.publish_seconds.count > 0
 
 
 def test_keys_handle_names_mooncake_and_another_process_reads_it(

@@ -251,6 +251,27 @@ def test_pins_are_hard_pins_and_the_last_unpin_removes(
     assert (stats.pinned_objects, stats.evictions) == (0, 2)
 
 
+def test_two_writers_of_one_prefix_never_remove_each_others_objects(
+    store: MooncakeStore, layout: R3Layout
+) -> None:
+    """The engines of a prefill/decode pair write one prefix: the consumer's pins and unpins
+    of the producer's objects (a keys lease, a hit it republishes) leave them in place; their
+    lifetime is their writer's."""
+    producer = store
+    consumer = store.sharing_client(store.key_prefix)
+    shared, own = key_for(NS, 20), key_for(NS, 21)
+    producer.put([(shared, rows_for(layout, 20), 0)])
+    consumer.put([(shared, rows_for(layout, 20), 0)])  # identical: accepted, not rewritten
+    consumer.put([(own, rows_for(layout, 21), 16)])
+    assert consumer.pin([shared]) == [True]
+    assert consumer.unpin([shared, shared, own]) == [True, True, True]
+    assert producer.exists([shared, own]) == [True, False]  # the consumer removed only its own
+    np.testing.assert_array_equal(consumer.get([shared])[0], rows_for(layout, 20))
+    assert producer.unpin([shared]) == [True]
+    assert consumer.exists([shared]) == [False]
+    consumer.close()
+
+
 def test_reader_and_closed_handles(master: MooncakeMaster, store: MooncakeStore) -> None:
     key = key_for(NS, 1)
     store.put([(key, rows_for(SMALL, 1), 0)])

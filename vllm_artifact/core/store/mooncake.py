@@ -99,6 +99,10 @@ class MooncakeStore(ObjectStore):
         self._pins: dict[ObjectKey, int] = {}  # pin references of the hard-pinned objects
         self._published = 0  # objects this handle wrote and has not removed
         self._removed = 0  # objects removed when their last pin went
+        # Names of the objects this handle wrote: only those does it rewrite (to pin) or remove
+        # (at their last unpin). Another writer's objects under the same prefix (the other
+        # engine of a prefill/decode pair) keep the lifetime their writer gives them.
+        self._written: set[str] = set()
         #: The writer's exported counters (``/metrics``), set by the engine; None: not counted.
         self.metrics: StoreMetrics | None = None
 
@@ -158,6 +162,11 @@ class MooncakeStore(ObjectStore):
     @property
     def layout(self) -> R3Layout:
         return self._layout
+
+    @property
+    def key_prefix(self) -> str:
+        """The prefix of this handle's Mooncake keys."""
+        return self._prefix
 
     @property
     def value_stride(self) -> int:
@@ -324,8 +333,9 @@ class MooncakeStore(ObjectStore):
                 self._remove(np.flatnonzero(replace), names)
             write = ~present | replace
             counted = np.array([key in self._pins for key in batch.keys], dtype=bool)
+            ours = np.array([name in self._written for name in names], dtype=bool)
             if pin:
-                unpinned = np.flatnonzero(present & ~replace & ~counted)
+                unpinned = np.flatnonzero(present & ~replace & ~counted & ours)
                 if len(unpinned):  # stored without a hard pin: rewrite them pinned
                     self._remove(unpinned, names)
                     write[unpinned] = True
@@ -370,6 +380,9 @@ class MooncakeStore(ObjectStore):
                 )
             )
             self._published += sum(code == 0 for code in codes)
+            self._written.update(
+                names[idx[i]] for i, code in zip(todo, codes, strict=True) if code == 0
+            )
             full = [i for i, code in zip(todo, codes, strict=True) if code == NO_AVAILABLE_HANDLE]
             if pause is None or not full or len(full) < sum(code < 0 for code in codes):
                 break
@@ -383,8 +396,10 @@ class MooncakeStore(ObjectStore):
 
     def _remove(self, idx: np.ndarray, names: list[str]) -> None:
         """Remove objects (``force``: past their lease and any hard pin)."""
-        codes = list(self.live().batch_remove([names[i] for i in idx.tolist()], True))
+        removed = [names[i] for i in idx.tolist()]
+        codes = list(self.live().batch_remove(removed, True))
         self._published -= sum(code == 0 for code in codes)
+        self._written.difference_update(removed)
         failed = [code for code in codes if code not in (0, OBJECT_NOT_FOUND)]
         if failed:
             raise code_error(
@@ -401,8 +416,11 @@ class MooncakeStore(ObjectStore):
         with self._lock:
             self._writer()
             present = self.exists(keys)
+            written = self._written
             fresh = [
-                key for key, ok in zip(keys, present, strict=True) if ok and key not in self._pins
+                key
+                for key, name, ok in zip(keys, self.names(keys), present, strict=True)
+                if ok and key not in self._pins and name in written
             ]
             fresh = list(dict.fromkeys(fresh))
             if fresh:
@@ -442,7 +460,8 @@ class MooncakeStore(ObjectStore):
                     self._pins[key] = count - 1
                 elif count == 1:
                     del self._pins[key]
-                    last.append(key)
+                    if self.names([key])[0] in self._written:
+                        last.append(key)
             if last:
                 before = self._published
                 self._remove(np.arange(len(last)), self.names(last))

@@ -1,7 +1,13 @@
-"""An engine on the Mooncake Store backend (``--artifact-backend mooncake``) against a real
-``mooncake_master`` on loopback: R3 oracle-equal, prefix hits read back from Mooncake, keys
-handles that name the Mooncake store read by another process, and a master that does not
-answer refused at startup."""
+"""Engines on the Mooncake Store backend (``--artifact-backend mooncake``) against a real
+``mooncake_master`` and store node on loopback: two engines that share nothing but the master
+and a KV storage (each its own store root, as on two nodes), a prefill one and a decode one
+(``ExampleConnector`` as producer and consumer), both adding no memory
+(``--artifact-mooncake-segment 0``): their objects live on the store node.
+
+R3 is oracle-equal; prefix hits read it back from Mooncake; a keys handle names the Mooncake
+store and another process reads it; the decode engine's prompt rows come from Mooncake, where
+the prefill engine put them; after the prefill engine is SIGKILLed its R3 is still served.
+"""
 
 from __future__ import annotations
 
@@ -28,64 +34,82 @@ from vllm_artifact.core.store.shm_metrics import StoreMetrics
 
 pytestmark = pytest.mark.engine
 
+BLOCK = 32  # the test engines' KV block size
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 KEYS = SamplingParams(
     max_tokens=6, temperature=0, ignore_eos=True, extra_args={"routed_experts_format": "keys"}
 )
-PROMPT = " ".join(f"Mooncake sentence {i} routes to expert {i * 7 % 8}." for i in range(16))
+
+
+def prompt(tag: str) -> str:
+    return " ".join(f"Mooncake {tag} sentence {i} routes to expert {i * 7 % 8}." for i in range(16))
 
 
 @pytest.fixture(scope="module")
 def master() -> Iterator[MooncakeMaster]:
-    with mooncake_master() as running:
+    with mooncake_master() as running, mooncake_store_node(running):
         yield running
 
 
 @pytest.fixture(scope="module")
-def mooncake_llm(model_a: Path, master: MooncakeMaster, store_root: Path, llm_factory: Any) -> Any:
-    return llm_factory(
-        model_a,
-        artifact_root=str(store_root / "mooncake-metrics"),
-        artifact_backend="mooncake",
-        artifact_mooncake_master=master.master_address,
-        artifact_mooncake_metadata=master.metadata_url,
-        artifact_mooncake_host="127.0.0.1",
-        artifact_capacity="64MiB",
-    )
+def pair(
+    model_a: Path, master: MooncakeMaster, store_root: Path, tmp_path_factory: Any, llm_factory: Any
+) -> tuple[Any, Any]:
+    storage = tmp_path_factory.mktemp("mooncake-kv")
+
+    def engine(role: str, node: str) -> Any:
+        return llm_factory(
+            model_a,
+            artifact_root=str(store_root / node),  # no /dev/shm store in common
+            artifact_backend="mooncake",
+            artifact_mooncake_master=master.master_address,
+            artifact_mooncake_metadata=master.metadata_url,
+            artifact_mooncake_host="127.0.0.1",
+            artifact_mooncake_segment=0,
+            kv_transfer_config={
+                "kv_connector": "ExampleConnector",
+                "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+            },
+        )
+
+    return engine("kv_producer", "prefill-node"), engine("kv_consumer", "decode-node")
 
 
 def test_r3_through_mooncake_equals_the_oracle_and_hits_read_it_back(
-    mooncake_llm: Any, model_a: Path, store_root: Path
+    pair: tuple[Any, Any], model_a: Path, store_root: Path
 ) -> None:
-    def store_kind(worker: Any) -> str:
-        connector = worker.model_runner.aux_output_connector
-        return type(connector.store).__name__
+    producer, _ = pair
 
-    assert mooncake_llm.collective_rpc(store_kind) == ["MooncakeStore"]
-    (first,) = mooncake_llm.generate([PROMPT], GREEDY)
+    def store_kind(worker: Any) -> str:
+        return type(worker.model_runner.aux_output_connector.store).__name__
+
+    assert producer.collective_rpc(store_kind) == ["MooncakeStore"]
+    (first,) = producer.generate([prompt("hit")], GREEDY)
     assert_matches_oracle(model_a, first)
-    before = connector_stats(mooncake_llm)
+    before = connector_stats(producer)
     assert before["objects"] > 0
-    (again,) = mooncake_llm.generate([PROMPT], GREEDY)
-    assert again.num_cached_tokens >= 32
-    after = connector_stats(mooncake_llm)
-    assert after["reads"] - before["reads"] == again.num_cached_tokens // 32
+    (again,) = producer.generate([prompt("hit")], GREEDY)
+    assert again.num_cached_tokens >= BLOCK
+    after = connector_stats(producer)
+    assert after["reads"] - before["reads"] == again.num_cached_tokens // BLOCK
     assert_matches_oracle(model_a, again)
     np.testing.assert_array_equal(again.outputs[0].routed_experts, first.outputs[0].routed_experts)
-    # The engine's counters are on this node, where /metrics reads every store's.
-    (store_dir,) = (store_root / "mooncake-metrics").glob("r3-*")
+    # The engine's counters are on its node, where /metrics reads every store's.
+    (store_dir,) = (store_root / "prefill-node").glob("r3-*")
     snapshot = StoreMetrics.read(store_dir)
     assert snapshot is not None and snapshot.published_objects >= before["objects"]
-    assert snapshot.read_objects >= again.num_cached_tokens // 32
+    assert snapshot.read_objects >= again.num_cached_tokens // BLOCK
     assert snapshot.pinned_objects > 0 and snapshot.publish_seconds.count > 0
 
 
 def test_keys_handle_names_mooncake_and_another_process_reads_it(
-    mooncake_llm: Any, model_a: Path
+    pair: tuple[Any, Any], model_a: Path
 ) -> None:
-    prompt = PROMPT.replace("sentence", "keys sentence")
-    (arrays,) = mooncake_llm.generate([prompt], GREEDY)
-    handle = mooncake_llm.generate([prompt], KEYS)[0].outputs[0].routed_experts
+    producer, _ = pair
+    (arrays,) = producer.generate([prompt("keys")], GREEDY)
+    handle = producer.generate([prompt("keys")], KEYS)[0].outputs[0].routed_experts
     text = handle.to_json()
     assert handle.store.backend == "mooncake", text
     read = read_handle_elsewhere(text, env=client_env())
@@ -93,45 +117,25 @@ def test_keys_handle_names_mooncake_and_another_process_reads_it(
     assert_matches_oracle(model_a, arrays)
 
 
-def test_r3_on_a_store_node_outlives_its_engine_for_an_engine_on_another_root(
-    model_b: Path,
-    master: MooncakeMaster,
-    store_root: Path,
-    tmp_path: Path,
-    llm_factory: Any,
-    kill_engine: Any,
+def test_decode_engine_reads_the_prompts_r3_from_mooncake_even_after_the_prefill_engine_died(
+    pair: tuple[Any, Any], model_a: Path, kill_engine: Any
 ) -> None:
-    """Engines that add no memory (``--artifact-mooncake-segment 0``) put R3 on a store node
-    (``mooncake_client``): after the first engine is SIGKILLed, a second one with another root
-    (another node, as far as /dev/shm goes) gets the prompt's KV from shared KV storage and
-    its R3 from Mooncake."""
-    settings = {
-        "artifact_backend": "mooncake",
-        "artifact_mooncake_master": master.master_address,
-        "artifact_mooncake_metadata": master.metadata_url,
-        "artifact_mooncake_host": "127.0.0.1",
-        "artifact_mooncake_segment": 0,
-        "kv_transfer_config": {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
-        },
-    }
-    prompt = PROMPT.replace("Mooncake", "Store node")
-    with mooncake_store_node(master):
-        first_engine = llm_factory(model_b, artifact_root=str(store_root / "node-a"), **settings)
-        (first,) = first_engine.generate([prompt], GREEDY)
-        assert_matches_oracle(model_b, first)
-        assert connector_stats(first_engine)["objects"] > 0  # waits for its publications
-        kill_engine(first_engine)
-
-        second_engine = llm_factory(model_b, artifact_root=str(store_root / "node-b"), **settings)
-        before = connector_stats(second_engine)["reads"]
-        (again,) = second_engine.generate([prompt], GREEDY)
-        assert again.outputs[0].finish_reason == "length", again.outputs[0].stop_reason
-        assert again.num_cached_tokens >= 32, "the prompt's KV must come from the KV storage"
-        assert connector_stats(second_engine)["reads"] - before == again.num_cached_tokens // 32
-        assert_matches_oracle(model_b, again)
-        np.testing.assert_array_equal(
-            again.outputs[0].routed_experts, first.outputs[0].routed_experts
-        )
+    producer, consumer = pair
+    text = prompt("disaggregated")
+    (prefilled,) = producer.generate([text], PREFILL)
+    assert prefilled.outputs[0].finish_reason == "length"
+    connector_stats(producer)  # its publications are out
+    before = connector_stats(consumer)["reads"]
+    (decoded,) = consumer.generate([text], GREEDY)
+    assert decoded.outputs[0].finish_reason == "length", decoded.outputs[0].stop_reason
+    assert decoded.num_cached_tokens >= BLOCK, "the prompt's KV must come from the KV connector"
+    assert connector_stats(consumer)["reads"] - before == decoded.num_cached_tokens // BLOCK
+    assert_matches_oracle(model_a, decoded)
+    # The prefill engine dies; its objects live on the store node, not in its memory.
+    kill_engine(producer)
+    (again,) = consumer.generate([text], GREEDY)  # a prefix hit in the decode engine's cache
+    assert again.outputs[0].finish_reason == "length", again.outputs[0].stop_reason
+    assert again.num_cached_tokens >= BLOCK
+    np.testing.assert_array_equal(
+        again.outputs[0].routed_experts, decoded.outputs[0].routed_experts
+    )

@@ -340,15 +340,31 @@ class MooncakeStore(ObjectStore):
                     self._remove(unpinned, names)
                     write[unpinned] = True
             hard = write & (pin | counted)  # a replaced pinned object keeps its pin
-            self._write(batch, names, np.flatnonzero(write & ~hard), hard=False)
-            self._write(batch, names, np.flatnonzero(hard), hard=True)
-            if pin:
-                for key in batch.keys:
-                    self._pins[key] = self._pins.get(key, 0) + 1
+            written = np.zeros(len(names), dtype=bool)
+            try:
+                self._write(batch, names, np.flatnonzero(write & ~hard), hard=False, ok=written)
+                self._write(batch, names, np.flatnonzero(hard), hard=True, ok=written)
+            finally:
+                # Also when a write failed in part (no room): what was stored is pinned
+                # (hard-pinned in Mooncake), so it is counted, else no unpin would remove it.
+                if pin:
+                    stored = (present & ~write) | written
+                    for key, ok in zip(batch.keys, stored.tolist(), strict=True):
+                        if ok:
+                            self._pins[key] = self._pins.get(key, 0) + 1
 
-    def _write(self, batch: PutBatch, names: list[str], idx: np.ndarray, *, hard: bool) -> None:
+    def _write(
+        self,
+        batch: PutBatch,
+        names: list[str],
+        idx: np.ndarray,
+        *,
+        hard: bool,
+        ok: np.ndarray | None = None,
+    ) -> None:
         """Write batch objects ``idx`` (envelope + payload, staged in registered memory)
-        with one ``batch_put_from``."""
+        with one ``batch_put_from``; ``ok[i]`` is set for each object ``i`` written (also
+        when others failed and this raises)."""
         if not len(idx):
             return
         stride = self.value_stride
@@ -380,6 +396,8 @@ class MooncakeStore(ObjectStore):
                 )
             )
             self._published += sum(code == 0 for code in codes)
+            if ok is not None:
+                ok[[idx[i] for i, code in zip(todo, codes, strict=True) if code == 0]] = True
             self._written.update(
                 names[idx[i]] for i, code in zip(todo, codes, strict=True) if code == 0
             )

@@ -130,6 +130,14 @@ def code_error(code: int, what: str, *, reconnecting: bool = False) -> StoreErro
             f"{what}: the Mooncake master is unreachable ({name}); R3 reads fail closed "
             "until it is back (a restarted master has lost every object)"
         )
+    if code == TRANSFER_FAIL:
+        # Seen when the client or store node whose segment holds the objects has died: the
+        # master keeps its segment (and the objects in it) until its client_ttl passes.
+        return StoreUnavailableError(
+            f"{what}: the Mooncake segment holding them did not answer ({name}); the engine "
+            "or store node (mooncake_client) that mounted it died or is unreachable. Its "
+            "objects read as missing once the master drops it (after --client_ttl)."
+        )
     if code == NO_AVAILABLE_HANDLE:
         return CapacityError(
             f"{what}: no Mooncake segment has room ({name}); pinned objects (those the KV "

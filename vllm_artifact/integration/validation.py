@@ -194,10 +194,10 @@ def check_vllm_config(vllm_config: Any) -> ArtifactConfig:
     if not model_config.is_moe or experts <= 0:
         raise ArtifactConfigError(_NOT_MOE.format(model=model_config.model, experts=experts))
     config = ArtifactConfig.from_vllm_config(vllm_config)
+    check_store_root(config)  # with Mooncake too: the engine's metrics file lives there
     if config.backend == "mooncake":
         check_mooncake(config)
         return config
-    check_store_root(config)
     if config.capacity != "auto":
         engines = max(1, parallel.data_parallel_size_local)
         check_store_space(config, config.capacity * engines, engines=engines)

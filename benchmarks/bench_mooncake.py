@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-from e2e_stats import paired_ratio
+from e2e_stats import quartiles, ratio_table, ratios
 from vllm_artifact_testing.mooncake_master import client_env, mooncake_master, mooncake_store_node
 
 from vllm_artifact.core import Namespace, R3Layout, full_block_keys
@@ -377,17 +377,6 @@ class Bench:
 # ------------------------------------------------------------------------- report
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """Median, first and third quartile."""
-    q1, med, q3 = np.percentile(values, [25, 50, 75])
-    return float(med), float(q1), float(q3)
-
-
-def per_rep(num: list[float], den: list[float]) -> list[float]:
-    """Per-repetition ratios (each pair met the same moment of the machine)."""
-    return [a / b for a, b in zip(num, den, strict=True)]
-
-
 LABELS = {
     "publish": "publish (put_runs, pinned)",
     "read": "materialize (read_into)",
@@ -409,7 +398,7 @@ def report(bench: Bench) -> dict[str, Any]:
     )
     for name, values in series.items():
         med, q1, q3 = (v * 1e3 for v in quartiles(values))
-        over_floor = quartiles(per_rep(values, bench.floor))[0]
+        over_floor = quartiles(ratios(values, bench.floor))[0]
         summary["ms"][name] = {"median": med, "q1": q1, "q3": q3, "over_floor": over_floor}
         if name == "floor":
             label = f"floor: numpy copy of {mib:.1f} MiB"
@@ -434,19 +423,9 @@ def report(bench: Bench) -> dict[str, Any]:
         ("remote.read", "local.read", "remote materialize / local materialize"),
         ("remote.raw", "local.raw", "raw remote get / raw local get"),
     ]
-    print(f"\n  {'ratio, per repetition':<46} {'median':>8} {'q1':>8} {'q3':>8}  geo mean [95% CI]")
-    for num, den, label in pairs:
-        ratios = per_rep(series[num], series[den])
-        med, q1, q3 = quartiles(ratios)
-        geo, low, high = paired_ratio(ratios)
-        summary["ratios"][f"{num}/{den}"] = {
-            "median": med,
-            "q1": q1,
-            "q3": q3,
-            "geo_mean": geo,
-            "ci95": [low, high],
-        }
-        print(f"  {label:<46} {med:8.2f} {q1:8.2f} {q3:8.2f}  {geo:.2f} [{low:.2f}, {high:.2f}]")
+    summary["ratios"] = ratio_table(
+        series, [(num, den, label) for num, den, label in pairs], width=46
+    )
     target = summary["ratios"]["remote.read/remote.raw"]
     met = target["median"] <= 2.0
     resolved = not np.isnan(target["ci95"][1]) and (

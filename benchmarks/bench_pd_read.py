@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from e2e_stats import paired_ratio
+from e2e_stats import quartiles, ratio_table
 
 from vllm_artifact.contract import EmittedRows
 from vllm_artifact.core import R3Layout, full_block_keys
@@ -260,17 +260,6 @@ class PdPair:
                 self.times[name].append(value)
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """Median, first and third quartile."""
-    q1, med, q3 = np.percentile(values, [25, 50, 75])
-    return float(med), float(q1), float(q3)
-
-
-def ratios(num: list[float], den: list[float]) -> list[float]:
-    """Per-repetition ratios (each pair met the same moment of the machine)."""
-    return [a / b for a, b in zip(num, den, strict=True)]
-
-
 def report(times: dict[str, list[float]]) -> dict[str, Any]:
     """Print the table; return its figures for the JSON."""
     rows = (
@@ -287,25 +276,13 @@ def report(times: dict[str, list[float]]) -> dict[str, Any]:
         med, q1, q3 = (v * 1e3 for v in quartiles(times[name]))
         summary["ms"][name] = {"median": med, "q1": q1, "q3": q3}
         print(f"  {label:<50} {med:8.2f} {q1:8.2f} {q3:8.2f}")
-    pairs = (
-        ("producer / own", "producer", "own"),
-        ("(producer + flush) / own", "producer_flush", "own"),
-        ("own / floor", "own", "floor"),
-        ("producer / floor", "producer", "floor"),
-    )
-    print(f"\n  {'ratio, per repetition':<50} {'median':>8} {'q1':>8} {'q3':>8}  geo mean [95% CI]")
-    for label, num, den in pairs:
-        per_rep = ratios(times[num], times[den])
-        med, q1, q3 = quartiles(per_rep)
-        geo, low, high = paired_ratio(per_rep)
-        summary["ratios"][f"{num}/{den}"] = {
-            "median": med,
-            "q1": q1,
-            "q3": q3,
-            "geo_mean": geo,
-            "ci95": [low, high],
-        }
-        print(f"  {label:<50} {med:8.2f} {q1:8.2f} {q3:8.2f}  {geo:.2f} [{low:.2f}, {high:.2f}]")
+    pairs = [
+        ("producer", "own", "producer / own"),
+        ("producer_flush", "own", "(producer + flush) / own"),
+        ("own", "floor", "own / floor"),
+        ("producer", "floor", "producer / floor"),
+    ]
+    summary["ratios"] = ratio_table(times, pairs)
     return summary
 
 

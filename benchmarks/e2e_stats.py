@@ -3,6 +3,8 @@ the pooling of its runs (``pool_e2e.py``): no heavy imports, so pooling needs no
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 #: ours/off must keep this share of throughput; ours/vLLM at least 1.
@@ -41,3 +43,39 @@ def resolution(low: float, high: float, target: float) -> str:
     if not low <= target <= high:
         return "resolved"
     return "not resolved: CI contains target"
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Median, first and third quartile."""
+    q1, med, q3 = np.percentile(values, [25, 50, 75])
+    return float(med), float(q1), float(q3)
+
+
+def ratios(num: list[float], den: list[float]) -> list[float]:
+    """Per-repetition ratios (each pair met the same moment of the machine)."""
+    return [a / b for a, b in zip(num, den, strict=True)]
+
+
+def ratio_table(
+    series: dict[str, list[float]], pairs: list[tuple[str, str, str]], width: int = 50
+) -> dict[str, dict[str, Any]]:
+    """Print the per-repetition ratios ``series[num] / series[den]`` of each ``(num, den,
+    label)`` (median, quartiles, geometric mean with its 95% interval); return them by
+    ``"num/den"`` for the JSON."""
+    heading = f"{'median':>8} {'q1':>8} {'q3':>8}  geo mean [95% CI]"
+    print(f"\n  {'ratio, per repetition':<{width}} {heading}")
+    table: dict[str, dict[str, Any]] = {}
+    for num, den, label in pairs:
+        per_rep = ratios(series[num], series[den])
+        med, q1, q3 = quartiles(per_rep)
+        geo, low, high = paired_ratio(per_rep)
+        table[f"{num}/{den}"] = {
+            "median": med,
+            "q1": q1,
+            "q3": q3,
+            "geo_mean": geo,
+            "ci95": [low, high],
+        }
+        figures = f"{med:8.2f} {q1:8.2f} {q3:8.2f}  {geo:.2f} [{low:.2f}, {high:.2f}]"
+        print(f"  {label:<{width}} {figures}")
+    return table

@@ -20,7 +20,7 @@ from vllm_artifact.core.request_state import RequestState
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_publication import StepPublication
 from vllm_artifact.core.store.contract import ObjectStore
-from vllm_artifact.core.store.node_stores import NodeStores
+from vllm_artifact.core.store.node_stores import NEVER_MIXED, NodeStores
 from vllm_artifact.errors import ArtifactError, NotOnNodeError, WeightVersionMismatchError
 
 __all__ = ["HitReads", "StepReads"]
@@ -146,7 +146,5 @@ class HitReads:
         return WeightVersionMismatchError(
             f"the KV of tokens from {index * self._layout.block_size} was computed under "
             f"weight version {version!r} (R3 in store {store.root}/{store.name}), but this "
-            f"engine runs weight version {namespace.weight_version!r}: R3 of different "
-            "weights is never mixed. Update the weights (and weight version) of every engine "
-            "that shares KV, e.g. both engines of a prefill/decode pair, together."
+            f"engine runs weight version {namespace.weight_version!r}. {NEVER_MIXED}"
         )

@@ -34,9 +34,15 @@ from vllm_artifact.errors import (
     WeightVersionMismatchError,
 )
 
-__all__ = ["NodeStores"]
+__all__ = ["NEVER_MIXED", "NodeStores"]
 
 logger = logging.getLogger("vllm.artifact.store")
+
+#: What a weight-version mismatch between engines that share KV means, and what to do.
+NEVER_MIXED = (
+    "R3 of different weights is never mixed. Update the weights (and weight version) of every "
+    "engine that shares KV, e.g. both engines of a prefill/decode pair, together."
+)
 
 
 class NodeStores:
@@ -142,10 +148,7 @@ class NodeStores:
                     f"is in store "
                     f"{store.root}/{store.name} under this engine's weight version "
                     f"{weight_version!r}, but that store's engine now runs weight version "
-                    f"{current[0]!r}: the KV it hands over is of other weights, and R3 of "
-                    "different weights is never mixed. Update the weights (and weight version) "
-                    "of every engine that shares KV, e.g. both engines of a prefill/decode "
-                    "pair, together."
+                    f"{current[0]!r}: the KV it hands over is of other weights. {NEVER_MIXED}"
                 )
             for i, present in zip(wanted, found, strict=True):
                 if present:

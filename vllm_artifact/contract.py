@@ -43,6 +43,15 @@ of step N (async scheduling keeps one step in flight).
    request finishes, is aborted or is preempted. What it queues (the finish, the tail's
    hash) goes to the workers with the next step's metadata (1).
 
+vLLM 0.34 adds four calls (:class:`HitCappingSchedulerConnector`,
+:class:`StorageWorkerConnector`): the scheduler asks ``max_cache_hit(request)`` and
+``cap_external_hit(request, num_local, num_external)`` at a request's prefix-cache lookup and
+tells ``request_loading(request, num_tokens)`` of asynchronous KV loads (EngineCore, busy-loop
+thread); Model Runner V2 builds the worker connector without the KV cache layout (also during
+memory profiling) and then calls ``initialize_output_storage(kv_cache_config)`` once the KV
+cache is allocated (the worker's execute thread, before warm-up). Ours never caps a hit: the
+KV cache stays authoritative (``docs/compatibility.md``, "vLLM versions").
+
 Around these, our scheduler (``integration/scheduler.py``) feeds the scheduler connector KV
 evictions (in ``schedule``), each step's failures before vLLM processes the step, and turns
 failures found during ``take_output`` into errored requests after it; ``close()`` runs on
@@ -68,15 +77,18 @@ from vllm_artifact.errors import InternalError
 if TYPE_CHECKING:
     from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 __all__ = [
     "ArtifactStepFields",
     "EmittedRows",
+    "HitCappingSchedulerConnector",
     "PendingStep",
     "SchedulerConnector",
     "StepResult",
+    "StorageWorkerConnector",
     "TailBlock",
     "WorkerConnector",
 ]
@@ -187,6 +199,16 @@ class SchedulerConnector(Protocol):
     def request_finished(self, request: Request) -> None: ...
 
 
+class HitCappingSchedulerConnector(SchedulerConnector, Protocol):
+    """vLLM 0.34's scheduler connector: also asked how long a prefix hit may be."""
+
+    def max_cache_hit(self, request: Request) -> int | None: ...
+
+    def cap_external_hit(self, request: Request, num_local: int, num_external: int) -> int: ...
+
+    def request_loading(self, request: Request, num_tokens: int) -> None: ...
+
+
 class PendingStep(Protocol):
     """One step's capture between ``prepare_output`` and ``process_output`` (vLLM's
     ``PendingAuxOutput``). MRV2 passes ``enqueue_cpu_copy``'s arguments by keyword."""
@@ -205,3 +227,10 @@ class WorkerConnector(Protocol):
     def prepare_output(self, input_batch: InputBatch) -> PendingStep | None: ...
 
     def close(self) -> None: ...
+
+
+class StorageWorkerConnector(WorkerConnector, Protocol):
+    """vLLM 0.34's worker connector: built before the KV cache exists, given its layout
+    after."""
+
+    def initialize_output_storage(self, kv_cache_config: KVCacheConfig) -> None: ...

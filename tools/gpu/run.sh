@@ -1,44 +1,35 @@
 #!/usr/bin/env bash
 # On the H200 machine (the device tool's `run`, carry [".gpu"]): install what .gpu/ holds into
-# /tmp/site, put the stand-ins in place, then run each PHASE; outputs land in $OUT.
-#   bash tools/gpu/run.sh selftest
-# vLLM 0.32.0's Python runs on the machine's torch with Triton kernels and the few PyTorch
+# /tmp/site-VERSION, put the stand-ins in place, then run each PHASE; outputs land in $OUT.
+#   bash tools/gpu/run.sh selftest            (vLLM 0.32.0)
+#   VLLM_GPU=0.34.0 bash tools/gpu/run.sh registry selftest
+# vLLM's Python runs on the machine's torch with Triton kernels and the few PyTorch
 # stand-ins of tools/gpu/shims for compiled ops that cannot be carried (docs/gpu.md).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-SITE=/tmp/site
-STAMP=$( (ls "$REPO/.gpu/whl"; md5sum "$REPO/.gpu/vllm-src.tgz" "$REPO/.gpu/distinfo.tgz") | md5sum | cut -c1-16)
+# VLLM_GPU picks the carried vLLM (bash tools/gpu/assemble.sh VERSION built it here).
+VLLM_GPU=${VLLM_GPU:-0.32.0}
+SITE=/tmp/site-$VLLM_GPU
+STAMP=$( (ls "$REPO/.gpu/whl"; md5sum "$REPO/.gpu/vllm-src-$VLLM_GPU.tgz" "$REPO/.gpu/distinfo.tgz") | md5sum | cut -c1-16)
 if [[ "$(cat $SITE/.stamp 2>/dev/null)" != "$STAMP" ]]; then
     rm -rf $SITE
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target $SITE "$REPO"/.gpu/whl/*.whl || exit 1
-    tar xzf "$REPO/.gpu/vllm-src.tgz" -C $SITE && tar xzf "$REPO/.gpu/distinfo.tgz" -C $SITE
+    for part in vllm-src-$VLLM_GPU distinfo-vllm-$VLLM_GPU distinfo; do
+        tar xzf "$REPO/.gpu/$part.tgz" -C $SITE || exit 1
+    done
     echo "$STAMP" > $SITE/.stamp
 fi
 cp "$REPO"/tools/gpu/shims/_C_stable_libtorch.py "$REPO"/tools/gpu/shims/_moe_C_stable_libtorch.py \
     $SITE/vllm/
-# vllm.vllm_flash_attn raises ImportError without its compiled extensions, which cannot be
-# carried; the engines here use TRITON_ATTN, so the package only has to import.
-python3 - $SITE/vllm/vllm_flash_attn/__init__.py <<'PY' || exit 1
-import re, sys
-path = sys.argv[1]
-text = open(path).read()
-if "tools/gpu: no FA2/FA3 extension" not in text:
-    text, count = re.subn(
-        r"\n    raise ImportError\(\n.*?\n    \)\n",
-        "\n    pass  # tools/gpu: no FA2/FA3 extension\n",
-        text,
-        count=1,
-        flags=re.S,
-    )
-    if count != 1:
-        sys.exit(f"{path}: its ImportError was not found; update tools/gpu/run.sh")
-    open(path, "w").write(text)
-PY
+# Edits of vLLM's files where a compiled part is missing here (tools/gpu/patch_site.py says why).
+python3 "$REPO/tools/gpu/patch_site.py" "$SITE" || exit 1
+# Model Runner V2 is opt-in on 0.32, the only runner on 0.34 (which warns about the variable).
+[[ $VLLM_GPU == 0.32.* ]] && export VLLM_USE_V2_MODEL_RUNNER=1
 export PATH=$SITE/bin:$PATH PYTHONPATH=$SITE:$REPO:$REPO/tools/testing PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-    VLLM_USE_V2_MODEL_RUNNER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false VLLM_ARTIFACT_CACHE=/tmp/vllm-artifact-cache
 # Engine settings the stand-ins need: Triton attention and MoE, PyTorch-native custom ops and
 # norms, full CUDA graphs without torch.compile (the machine's torch is not vLLM's).
@@ -54,6 +45,11 @@ for phase in "$@"; do
         info)
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
             python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+            ;;
+        registry)  # the patch registry and the connector contract against the carried vLLM
+            python3 -m pytest --noconftest -p no:cacheprovider -q -rf \
+                tests/integration/test_patch_registry.py 2>&1 | tail -40 \
+                | tee "$OUT/registry.txt" || status=1
             ;;
         selftest)  # full CUDA graphs (asynchronous scheduling as vLLM turns it on)
             python3 -m vllm_artifact.selftest --engine-args "$ENGINE_ARGS" \

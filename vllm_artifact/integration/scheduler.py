@@ -45,6 +45,8 @@ class _ArtifactSchedulerMixin:
                 vllm_config,
             )
             self.aux_output_connector = ArtifactSchedulerConnector(
+                self.kv_cache_manager,  # type: ignore[attr-defined]
+                self.connector,  # type: ignore[attr-defined]
                 hash_fn=get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo),
                 hash_block_size=hash_block_size,
             )

@@ -35,10 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from vllm.distributed.aux_output_connector.connector import (
-    AuxOutputSchedulerConnector,
-    PackedBlockHashes,
-)
+from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,6 +54,7 @@ from vllm_artifact.core.keys import (
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
 from vllm_artifact.integration.kv_events import eviction_ids
+from vllm_artifact.integration.seams import SchedulerConnectorBase
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
 logger = logging.getLogger("vllm.artifact.scheduler")
@@ -68,14 +66,19 @@ _PUBLISH_TAIL_STATUSES = frozenset(
 )
 
 
-class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
+class ArtifactSchedulerConnector(SchedulerConnectorBase):
+    """vLLM's scheduler connector (through the series' seam, ``integration/seams``) with
+    the Artifact Connector's additions (module docstring)."""
+
     def __init__(
         self,
+        kv_cache_manager: Any = None,
+        kv_connector: Any = None,
         *,
         hash_fn: Callable[[Any], bytes] | None = None,
         hash_block_size: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(kv_cache_manager, kv_connector)
         require(
             all(
                 isinstance(getattr(self, name, None), kind)
@@ -88,11 +91,6 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
             "scheduler",
             "vLLM's AuxOutputSchedulerConnector state changed (_sent_hash_counts, "
             "_finished_requests, _generation)",
-        )
-        require(
-            callable(getattr(self, "_pack_new_hashes", None)),
-            "scheduler",
-            "vLLM's AuxOutputSchedulerConnector._pack_new_hashes is gone",
         )
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._hash_fn = hash_fn
@@ -223,7 +221,7 @@ class ArtifactSchedulerConnector(AuxOutputSchedulerConnector):
 
     def _pack(self, block_hashes: Any, num_sent: int) -> PackedBlockHashes:
         """The hashes after the first ``num_sent`` (there are some), packed by vLLM."""
-        packed = self._pack_new_hashes(block_hashes, num_sent)
+        packed = self._pack_new(block_hashes, num_sent)
         if packed is None:
             raise InternalError(f"vLLM packed no block hashes after the first {num_sent}")
         return packed

@@ -123,7 +123,8 @@ def check_before_config(*, enabled: bool) -> None:
     check_supported()
     import vllm.envs as envs
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER is False:
+    # vLLM 0.34 has only Model Runner V2 (and refuses the variable set to 0 itself).
+    if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is False:
         raise ArtifactConfigError(_MRV1)
 
 

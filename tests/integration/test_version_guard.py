@@ -66,6 +66,8 @@ def test_every_series_has_a_seam_module_with_the_same_names() -> None:
                 names.add(node.name)
             elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
                 names.add(node.targets[0].id)
+            elif isinstance(node, ast.FunctionDef):
+                names.add(node.name)
         return {name for name in names if not name.startswith("_")}
 
     seams = ROOT / "vllm_artifact" / "integration" / "seams"
@@ -73,7 +75,12 @@ def test_every_series_has_a_seam_module_with_the_same_names() -> None:
         series: public_names(seams / f"vllm{series.replace('.', '')}.py")
         for series in versions.SERIES
     }
-    shared = {"SERIES", "WORKER_FACTORY_PARAMETERS", "SchedulerConnectorBase"}
+    shared = {
+        "SERIES",
+        "WORKER_FACTORY_PARAMETERS",
+        "SchedulerConnectorBase",
+        "prepare_engine_args",
+    }
     assert exported == {series: shared for series in versions.SERIES}
 
 
@@ -162,3 +169,28 @@ def test_vllm_033_is_refused_and_has_no_seam(monkeypatch: pytest.MonkeyPatch) ->
         versions.vllm_series()
     monkeypatch.setattr(versions, "installed_vllm", lambda: ("vllm", "0.34.1"))
     assert versions.support().problem() is None and versions.vllm_series() == "0.34"
+
+
+def test_on_034_speculative_decoding_keys_blocks_without_lookahead_hashes() -> None:
+    from types import SimpleNamespace
+
+    from vllm_artifact.integration.seams import vllm032, vllm034
+
+    args = SimpleNamespace(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    vllm034.prepare_engine_args(args)
+    assert args.speculative_config == {
+        "method": "eagle",
+        "num_speculative_tokens": 2,
+        "disable_lookahead_block_hashes": True,
+    }
+    chosen = SimpleNamespace(
+        speculative_config={"method": "mtp", "disable_lookahead_block_hashes": False}
+    )
+    vllm034.prepare_engine_args(chosen)  # the user's choice stays
+    assert chosen.speculative_config["disable_lookahead_block_hashes"] is False
+    none = SimpleNamespace(speculative_config=None)
+    vllm034.prepare_engine_args(none)
+    assert none.speculative_config is None
+    plain = SimpleNamespace(speculative_config={"method": "eagle"})
+    vllm032.prepare_engine_args(plain)  # 0.32 has no such setting
+    assert plain.speculative_config == {"method": "eagle"}

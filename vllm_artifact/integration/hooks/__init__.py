@@ -98,7 +98,9 @@ PATCHES: tuple[Patch, ...] = (
         how="Each wrapper calls the original. add_cli_args adds our argument group; "
         "from_cli_args and __init__ map our options onto enable_return_routed_experts and "
         'additional_config["vllm_artifact"] (options.py); create_engine_config runs the '
-        "startup checks (validation.py), selects our scheduler through vLLM's "
+        "startup checks (validation.py), on vLLM 0.34 turns lookahead block hashes off for "
+        "speculative decoding unless the user chose (seams.prepare_engine_args: a finished "
+        "request's last blocks would have no key), selects our scheduler through vLLM's "
         "scheduler_config.scheduler_cls and registers the store metrics. With R3 off and "
         "none of our options the arguments reach vLLM unchanged.",
         upstream="None found: vLLM has no plugin API for CLI options or keywords; the "

@@ -88,7 +88,10 @@ def _create_engine_config(original: Any) -> Any:
         apply_pending()  # hooks of engine modules that were mid-import at install time
         if not self.aux_output_config.enable_return_routed_experts:
             return original(self, *args, **kwargs)
-        validation.check_engine_args(self)
+        validation.check_engine_args(self)  # the vLLM version first: seams need a known one
+        from vllm_artifact.integration.seams import prepare_engine_args
+
+        prepare_engine_args(self)
         try:
             vllm_config = original(self, *args, **kwargs)
         except ValueError as err:

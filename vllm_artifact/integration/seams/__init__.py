@@ -11,6 +11,8 @@ in :mod:`.vllm032` and :mod:`.vllm034`, each exporting the same names:
 * ``WORKER_FACTORY_PARAMETERS``: the parameters of MRV2's ``get_aux_output_connector``
   (0.34 builds the worker connector before the KV cache exists and hands its layout to
   ``initialize_output_storage`` later).
+* ``prepare_engine_args(engine_args)``: adjusts the engine arguments before vLLM builds its
+  configuration (0.34: speculative decoding without lookahead block hashes).
 * ``SERIES``: the series the module is for.
 
 The series comes from the installed vLLM (``hooks/versions.vllm_series``); importing this
@@ -28,18 +30,21 @@ if TYPE_CHECKING:  # mypy runs against the CPU build, vLLM 0.32
         SERIES,
         WORKER_FACTORY_PARAMETERS,
         SchedulerConnectorBase,
+        prepare_engine_args,
     )
 elif vllm_series() == "0.34":
     from vllm_artifact.integration.seams.vllm034 import (
         SERIES,
         WORKER_FACTORY_PARAMETERS,
         SchedulerConnectorBase,
+        prepare_engine_args,
     )
 else:
     from vllm_artifact.integration.seams.vllm032 import (
         SERIES,
         WORKER_FACTORY_PARAMETERS,
         SchedulerConnectorBase,
+        prepare_engine_args,
     )
 
-__all__ = ["SERIES", "WORKER_FACTORY_PARAMETERS", "SchedulerConnectorBase"]
+__all__ = ["SERIES", "WORKER_FACTORY_PARAMETERS", "SchedulerConnectorBase", "prepare_engine_args"]

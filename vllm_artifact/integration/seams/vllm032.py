@@ -17,6 +17,10 @@ SERIES = "0.32"
 WORKER_FACTORY_PARAMETERS = ("model", "vllm_config", "kv_cache_config")
 
 
+def prepare_engine_args(engine_args: Any) -> None:
+    """Nothing to adjust on 0.32 (see the 0.34 twin)."""
+
+
 class SchedulerConnectorBase(AuxOutputSchedulerConnector):
     """vLLM 0.32's scheduler connector behind the constructor and packer both series share."""
 

@@ -12,6 +12,7 @@ per finished request), the finish queues the request's unsent hashes as 0.32 did
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,26 @@ SERIES = "0.34"
 WORKER_FACTORY_PARAMETERS = ("model", "vllm_config")
 
 _UPSTREAM: Any = AuxOutputSchedulerConnector  # typed against 0.32 by mypy
+_logger = logging.getLogger("vllm.artifact")
+
+
+def prepare_engine_args(engine_args: Any) -> None:
+    """Speculative decoding keys KV blocks as on 0.32: no lookahead block hashes.
+
+    With them (0.34's EAGLE-style drafters with block drop), a block's hash also covers the
+    next tokens and is made only once they exist, so a finished request's last full blocks
+    have no hash: their R3 could be neither published nor named in a keys handle. vLLM falls
+    back to the same setting for KV connectors that do not support lookahead hashes; every
+    engine sharing a store then keys blocks alike. An explicit user setting is kept.
+    """
+    speculative = engine_args.speculative_config
+    if isinstance(speculative, dict) and "disable_lookahead_block_hashes" not in speculative:
+        engine_args.speculative_config = {**speculative, "disable_lookahead_block_hashes": True}
+        _logger.info(
+            "vllm-artifact: speculative decoding without lookahead block hashes, so every "
+            "finished block of R3 has its key (set disable_lookahead_block_hashes in "
+            "--speculative-config to choose otherwise)"
+        )
 
 
 class SchedulerConnectorBase(AuxOutputSchedulerConnector):

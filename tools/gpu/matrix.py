@@ -34,7 +34,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from matrix_cells import CELLS, Context
+from matrix_cells import CELLS as PLAIN_CELLS
+from matrix_cells import Context
+from matrix_kv_cells import CELLS as KV_CELLS
+
+_ALL = {**PLAIN_CELLS, **KV_CELLS}
+#: Every cell, in the order a full run takes them.
+CELLS = {name: _ALL[name] for name in ("bf16", "eagle", "offload", "restart", "pd")}
 
 
 @dataclass

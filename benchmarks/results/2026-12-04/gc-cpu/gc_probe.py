@@ -1,6 +1,6 @@
 """Engine-core garbage collections with R3 off, vLLM's own R3 and ours (vLLM's GC log).
 
-    .venv/bin/python benchmarks/results/2026-12-04/gc-cpu/gc_probe.py off|native|ours
+.venv/bin/python benchmarks/results/2026-12-04/gc-cpu/gc_probe.py off|native|ours
 """
 
 from __future__ import annotations

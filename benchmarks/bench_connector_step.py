@@ -126,7 +126,11 @@ class FakeRequest:
         self.block_hashes += [block_hash(own_tag, i) for i in range(shared, prompt_blocks)]
         # Tokens in the KV cache (bench state; the connectors read it from the input batch).
         self.num_computed = self.num_tokens - 1 if shared == prompt_blocks else shared * bs
-        self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0, extra_args=None)
+        # No stop strings: ours holds the rows until the request's end (bench_transport.py).
+        self.sampling_params = SimpleNamespace(
+            routed_experts_prompt_start=0, extra_args=None, stop=[]
+        )
+        self.resumable = False
         self.status = RequestStatus.RUNNING
         self.lora_request = None
         self.mm_features: list[object] = []
@@ -354,7 +358,11 @@ class Config:
         c2b, t2b = time.thread_time(), time.perf_counter()
         taken = [self.scheduler.take_output(request, output) for request in sampled]
         c3, t3 = time.thread_time(), time.perf_counter()
-        assert all(rows is not None and len(rows) for rows in taken), "every request has rows"
+        if isinstance(self.scheduler, ArtifactSchedulerConnector):  # holds until the end
+            running = [r for r, rows in zip(sampled, taken, strict=True) if not r.is_finished()]
+            assert all(r.request_id in self.scheduler._held_rows for r in running)
+        else:
+            assert all(rows is not None and len(rows) for rows in taken), "every request has rows"
         for request in stopped:  # vLLM frees them; request_finished runs in the next step
             del requests[request.request_id]
             self.evictable.extend(request.block_hashes[request.own_from :])
@@ -445,13 +453,19 @@ def ours(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
     worker._generation = 0
     worker._step_active = False
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
+    worker._engine_store = None  # the store is closed with the worker (close below)
     worker._layout = LAYOUT
     worker._keys_context = None
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
     config = Config("ours", scheduler, worker, capturer, log, replay_writes, workload)
-    return config, worker.close
+
+    def close() -> None:
+        worker.close()
+        store.close()
+
+    return config, close
 
 
 def vllms_own(workload: str) -> tuple[Config, Callable[[], None]]:

@@ -26,6 +26,7 @@ from vllm_artifact_testing.store_faults import flip_in_every_slot
 from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
 from vllm_artifact.client import reader as client_reader
 from vllm_artifact.errors import CapacityError, WeightVersionError
+from vllm_artifact.integration.hooks import terminal_output
 from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
 
 pytestmark = pytest.mark.engine
@@ -105,6 +106,33 @@ def test_stop_string_keeps_exact_executed_rows(llm_a: Any, model_a: Path) -> Non
     assert out.finish_reason == "stop" and len(out.token_ids) < len(tokens)
     experts = assert_matches_oracle(model_a, stopped)
     np.testing.assert_array_equal(experts, unbounded.outputs[0].routed_experts[: experts.shape[0]])
+
+
+def test_rows_reach_the_frontend_once_unless_a_stop_string_can_end_the_request(
+    llm_a: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine holds the rows of a request it ends itself and sends them in one array at
+    its end; a request with stop strings (the frontend matches them, and may end it before
+    the engine does) gets them step by step. Both equal the oracle."""
+    chunk_counts: list[int] = []
+    join = terminal_output.concatenate_into_npy
+
+    def counting_join(chunks: Any) -> Any:
+        chunk_counts.append(len(chunks))
+        return join(chunks)
+
+    monkeypatch.setattr(terminal_output, "concatenate_into_npy", counting_join)
+    held = llm_a.generate([LONG_PROMPT], GREEDY)[0]  # chunked prefill, then 11 decode steps
+    assert chunk_counts == [1]
+    assert_matches_oracle(model_a, held)
+
+    chunk_counts.clear()
+    never_said = SamplingParams(**_greedy_args(), stop=["never said by this model"])
+    per_step = llm_a.generate([LONG_PROMPT], never_said)[0]
+    assert len(chunk_counts) == 1 and chunk_counts[0] >= GREEDY.max_tokens - 1
+    np.testing.assert_array_equal(
+        assert_matches_oracle(model_a, per_step), held.outputs[0].routed_experts
+    )
 
 
 def test_n_logprobs_and_penalties_with_r3(llm_a: Any, model_a: Path) -> None:

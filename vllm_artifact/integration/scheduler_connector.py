@@ -13,6 +13,11 @@ request's executed tokens) and adds what the Artifact Connector needs:
 * a request that asks for ``routed_experts_format="keys"`` gets, instead of its rows, an
   :class:`~vllm_artifact.core.handoff.R3Keys` handle on its terminal output (the keys of its
   blocks in rank zero's store); its rows are never shipped to the frontend;
+* a request whose end the engine decides (no stop strings, which the frontend matches, and
+  not a resumable streaming-input request) gets its rows in one array on its terminal output,
+  not one small array per step: vLLM's transport sends each array over 256 bytes as a frame of
+  its own, and a 256-request decode batch's per-step frames cost the engine core's output thread
+  and the frontend more CPU than the rest of R3 (``docs/design.md``, decision 15);
 * a worker-reported :class:`~vllm_artifact.core.failure.R3Failure` is recorded instead of
   tripping vLLM's assertion (which would kill the engine); the scheduler then finishes that
   request with an error.
@@ -30,6 +35,7 @@ request's length runs at terminal time.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -44,6 +51,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_artifact.contract import SchedulerConnector, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys, RowsDigest
+from vllm_artifact.core.held_rows import HeldRows
 from vllm_artifact.core.keys import (
     DEFAULT_WEIGHT_VERSION,
     KeyCache,
@@ -63,6 +71,14 @@ logger = logging.getLogger("vllm.artifact.scheduler")
 #: only their published full blocks.
 _PUBLISH_TAIL_STATUSES = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED}
+)
+_RUNNING = RequestStatus.RUNNING
+require(
+    "resumable" in inspect.signature(Request.__init__).parameters
+    and "stop" in getattr(SamplingParams, "__struct_fields__", ()),
+    "scheduler_connector",
+    "vLLM's Request(resumable=...) or SamplingParams.stop changed (which requests can end "
+    "in the frontend)",
 )
 
 
@@ -114,6 +130,9 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         # Keys-only requests that share a prompt prefix (the samples of one prompt, the turns
         # of a conversation) share its blocks' keys: made once on this thread, not per request.
         self._key_cache = KeyCache()
+        # Requests whose rows are held until their last step (module docstring): id -> the
+        # rows of their steps so far.
+        self._held_rows: dict[str, HeldRows] = {}
         # Requests whose rows could not be taken this step (a broken invariant of ours): the
         # scheduler fails them after vLLM's processing of the step (take_late_failures).
         self._late_failures: dict[str, R3Failure] = {}
@@ -139,6 +158,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 self._tails[request.request_id] = tail
         self._keys_requests.pop(request.request_id, None)
         self._keys_digests.pop(request.request_id, None)
+        self._held_rows.pop(request.request_id, None)  # aborted or failed: rows not sent
         super().request_finished(request)
 
     def _tail_hash(self, request: Any) -> TailBlock | None:
@@ -189,6 +209,8 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 extra_args = params.extra_args if params is not None else None
                 if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
                     self._keys_requests.setdefault(request_id, [])  # kept across preemption
+                elif params is not None and not params.stop and not request.resumable:
+                    self._held_rows.setdefault(request_id, HeldRows())  # kept across preemption
             if len(block_hashes) != num_sent:
                 hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
@@ -249,14 +271,33 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             entry = self._step_rows.get(request.request_id)
             if entry is None:  # no rows this step, or a keys-only request
                 keys = self._keys_requests.get(request.request_id)
-                return None if keys is None else self._keys_output(request, keys)
-            token_start, rows = entry
-            if request.num_tokens - 1 - token_start == len(rows):
-                return rows  # the common case: every row of the step
-            return self._cut_rows(request, token_start, rows)
+                if keys is not None:
+                    return self._keys_output(request, keys)
+                held = self._held_rows.get(request.request_id)
+                return None if held is None else self._held_output(request, held, None)
+            token_start, step_rows = entry
+            rows = (
+                step_rows  # usually every row
+                if request.num_tokens - 1 - token_start == len(step_rows)
+                else self._cut_rows(request, token_start, step_rows)
+            )
+            held = self._held_rows.get(request.request_id)
+            return rows if held is None else self._held_output(request, held, rows)
         except Exception as error:
             self._late_failures[request.request_id] = _internal_failure(request, error)
             return None
+
+    def _held_output(
+        self, request: Any, held: HeldRows, rows: np.ndarray | None
+    ) -> np.ndarray | None:
+        """A held request's output: none while it runs (this step's rows are kept), at its
+        end all its rows in one array."""
+        if rows is not None:
+            held.add(rows)
+        if request.status is _RUNNING or not request.is_finished():  # (the first test is free)
+            return None
+        del self._held_rows[request.request_id]
+        return held.take()
 
     def take_late_failures(self) -> dict[str, R3Failure]:
         """Requests :meth:`take_output` could not serve this step (usually none)."""

@@ -2,9 +2,10 @@
 
 The KV cache is shrunk to 64 blocks so that it, too, evicts and preempts; the store capacity
 is "auto" (sized from the KV cache). Four long requests that outgrow the KV cache are
-preempted and recomputed: the recomputed rows replace what was buffered. Repeated recent
-prompts hit the KV cache and must get their R3 from the store; nothing fails and the store
-never grows past its capacity, measured from outside (the arena file, a reader's count).
+preempted and recomputed: their R3 (rows or a keys-only handle) spans their whole life.
+Repeated recent prompts hit the KV cache and must get their R3 from the store; nothing fails
+and the store never grows past its capacity, measured from outside (the arena file, a
+reader's count).
 Then the engine is SIGKILLed mid-generation (while it publishes) and a new engine starts on
 the same root (the bounded CI version of ``scripts/soak_restarts.py``); it replaces the
 module's engine, so the tests pass in any order. An engine whose /dev/shm cannot hold the
@@ -40,6 +41,7 @@ from vllm_artifact_testing.engine_probe import (
 )
 from vllm_artifact_testing.store_faults import small_tmpfs
 
+from vllm_artifact.client import R3Keys, read_r3_keys
 from vllm_artifact.core import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.store.shm_arena import ARENA_NAME, ArenaGeometry
@@ -178,12 +180,25 @@ def test_preemption_recompute_matches_oracle(llm: Any, model_a: Path) -> None:
     prompts = [
         " ".join(f"Request {r} sentence {i} for preemption." for i in range(24)) for r in range(4)
     ]
+    # The first two return rows, the last two (the ones vLLM preempts first: it preempts the
+    # latest arrival) a keys-only handle; both must span the rows from before preemption.
+    arrays = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    keys = arrays.clone()
+    keys.extra_args = {"routed_experts_format": "keys"}
     before = preemptions(llm)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    outputs = llm.generate(prompts, [arrays, arrays, keys, keys])
     assert preemptions(llm) > before, "the KV cache was meant to force preemption"
-    for output in outputs:
+    for output in outputs[:2]:
         assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
         assert_matches_oracle(model_a, output)
+    for output in outputs[2:]:
+        assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
+        handle = output.outputs[0].routed_experts
+        assert isinstance(handle, R3Keys), handle
+        tokens = executed_tokens(output)
+        experts = read_r3_keys(handle).experts
+        assert experts.shape[0] == len(tokens)
+        assert_routing_matches(experts, hf_router_topk(model_a, tokens))
 
 
 def preemptions(llm: Any) -> float:

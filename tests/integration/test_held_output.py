@@ -103,3 +103,26 @@ def test_an_aborted_held_request_is_forgotten() -> None:
     requests["gone"].status = RequestStatus.FINISHED_ABORTED
     connector.request_finished(requests["gone"])
     assert connector._held_rows == {}
+
+
+def test_a_preempted_request_keeps_its_rows_and_resumes_where_it_stopped() -> None:
+    """vLLM calls ``request_finished`` on preemption with the request still running, then
+    schedules it again as a new request (emit start: its last token). The rows from before
+    preemption are part of its answer; only its true end lets them go."""
+    connector = ArtifactSchedulerConnector()
+    request = fake_request("long")
+    schedule(connector, {"long": request})
+    before = StepResult(entries={"long": EmittedRows(0, np.full((4, 2, 2), 1, np.uint8))})
+    assert connector.take_output(request, before) is None
+    connector.request_finished(request)  # preempted: still RUNNING when vLLM calls this
+    request.status = RequestStatus.PREEMPTED
+    request.num_output_tokens = 1
+    request.status = RequestStatus.RUNNING
+    schedule(connector, {"long": request})  # rescheduled: new to vLLM's hash bookkeeping
+    request.num_tokens = 8
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    after = StepResult(entries={"long": EmittedRows(4, np.full((3, 2, 2), 2, np.uint8))})
+    rows = connector.take_output(request, after)
+    assert rows is not None and rows[:, 0, 0].tolist() == [1] * 4 + [2] * 3
+    connector.request_finished(request)
+    assert connector._held_rows == {}

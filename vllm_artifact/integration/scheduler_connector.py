@@ -147,7 +147,10 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 self._kv_evicted.clear()
 
     def request_finished(self, request: Request) -> None:
-        """Also hash the terminal partial block of a request that finished normally."""
+        """Also hash the terminal partial block of a request that finished normally.
+
+        vLLM calls this on preemption too, with the request still running: its rows so far
+        (held rows, a keys-only request's digest) stay, since it resumes where it stopped."""
         if (
             request.status in _PUBLISH_TAIL_STATUSES
             and request.request_id in self._sent_hash_counts
@@ -156,9 +159,10 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             tail = self._tail_hash(request)
             if tail is not None:
                 self._tails[request.request_id] = tail
-        self._keys_requests.pop(request.request_id, None)
-        self._keys_digests.pop(request.request_id, None)
-        self._held_rows.pop(request.request_id, None)  # aborted or failed: rows not sent
+        if request.is_finished():
+            self._keys_requests.pop(request.request_id, None)
+            self._keys_digests.pop(request.request_id, None)
+            self._held_rows.pop(request.request_id, None)  # aborted or failed: rows not sent
         super().request_finished(request)
 
     def _tail_hash(self, request: Any) -> TailBlock | None:

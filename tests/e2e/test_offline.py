@@ -108,12 +108,12 @@ def test_stop_string_keeps_exact_executed_rows(llm_a: Any, model_a: Path) -> Non
     np.testing.assert_array_equal(experts, unbounded.outputs[0].routed_experts[: experts.shape[0]])
 
 
-def test_rows_reach_the_frontend_once_unless_a_stop_string_can_end_the_request(
+def test_rows_reach_the_frontend_in_two_parts_unless_a_stop_string_can_end_the_request(
     llm_a: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine holds the rows of a request it ends itself and sends them in one array at
-    its end; a request with stop strings (the frontend matches them, and may end it before
-    the engine does) gets them step by step. Both equal the oracle."""
+    """The engine sends the prompt's rows of a request it ends itself at once and holds the
+    rest until its end; a request with stop strings (the frontend matches them, and may end
+    it before the engine does) gets them step by step. Both equal the oracle."""
     chunk_counts: list[int] = []
     join = terminal_output.concatenate_into_npy
 
@@ -123,7 +123,7 @@ def test_rows_reach_the_frontend_once_unless_a_stop_string_can_end_the_request(
 
     monkeypatch.setattr(terminal_output, "concatenate_into_npy", counting_join)
     held = llm_a.generate([LONG_PROMPT], GREEDY)[0]  # chunked prefill, then 11 decode steps
-    assert chunk_counts == [1]
+    assert chunk_counts == [2]  # the prompt's (and first token's) rows, then the rest
     assert_matches_oracle(model_a, held)
 
     chunk_counts.clear()

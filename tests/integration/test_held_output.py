@@ -11,6 +11,7 @@ import numpy as np
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.contract import EmittedRows, StepResult
+from vllm_artifact.core.held_rows import JOIN_EVERY
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 
@@ -63,19 +64,38 @@ def run_steps(
     return given
 
 
-def test_rows_of_a_request_the_engine_ends_leave_once_at_its_end() -> None:
+def test_a_request_the_engine_ends_gets_its_prompt_rows_at_once_and_the_rest_at_its_end() -> None:
     connector = ArtifactSchedulerConnector()
     requests = {"plain": fake_request("plain"), "other": fake_request("other")}
     schedule(connector, requests)
     given = run_steps(connector, requests, steps=5)
     for index, rid in enumerate(requests):
-        *running, last = given[rid]
-        assert running == [None] * 4
-        assert last is not None and last.shape == (8, 2, 2)
-        expected = [10 * step + index for step in range(5) for _ in range(4 if step == 0 else 1)]
-        assert last[:, 0, 0].tolist() == expected
+        first, *running, last = given[rid]
+        assert first is not None and first[:, 0, 0].tolist() == [index] * 4  # the prompt's
+        assert running == [None] * 3
+        assert last is not None and last[:, 0, 0].tolist() == [10 * s + index for s in (1, 2, 3, 4)]
     assert connector.take_late_failures() == {}
     assert connector._held_rows == {}
+
+
+def test_a_long_held_request_keeps_a_bounded_number_of_step_arrays() -> None:
+    connector = ArtifactSchedulerConnector()
+    request = fake_request("long")
+    schedule(connector, {"long": request})
+    steps = 10 * JOIN_EVERY + 5
+    for step in range(steps):
+        step_array = np.full((3, 2, 2), step % 251, np.uint8)  # the step's rows of 3 requests
+        result = StepResult(entries={"long": EmittedRows(step, step_array[1:2])})
+        request.num_tokens = step + 2
+        if step == steps - 1:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        rows = connector.take_output(request, result)
+        if step == 0:
+            assert rows is not None  # the first rows go out at once
+        elif step < steps - 1:
+            views = [part for part in connector._held_rows["long"] if part.base is not None]
+            assert rows is None and len(views) < JOIN_EVERY  # step arrays kept alive
+    assert rows is not None and rows[:, 0, 0].tolist() == [s % 251 for s in range(1, steps)]
 
 
 def test_requests_the_frontend_can_end_get_their_rows_every_step() -> None:
@@ -98,8 +118,11 @@ def test_an_aborted_held_request_is_forgotten() -> None:
     requests = {"gone": fake_request("gone")}
     schedule(connector, requests)
     step = StepResult(entries={"gone": EmittedRows(0, np.zeros((4, 2, 2), np.uint8))})
+    assert connector.take_output(requests["gone"], step) is not None  # the prompt's rows
+    step = StepResult(entries={"gone": EmittedRows(4, np.zeros((1, 2, 2), np.uint8))})
+    requests["gone"].num_tokens = 6
     assert connector.take_output(requests["gone"], step) is None
-    assert "gone" in connector._held_rows
+    assert len(connector._held_rows["gone"]) == 1
     requests["gone"].status = RequestStatus.FINISHED_ABORTED
     connector.request_finished(requests["gone"])
     assert connector._held_rows == {}
@@ -112,17 +135,20 @@ def test_a_preempted_request_keeps_its_rows_and_resumes_where_it_stopped() -> No
     connector = ArtifactSchedulerConnector()
     request = fake_request("long")
     schedule(connector, {"long": request})
-    before = StepResult(entries={"long": EmittedRows(0, np.full((4, 2, 2), 1, np.uint8))})
+    prompt = StepResult(entries={"long": EmittedRows(0, np.full((4, 2, 2), 1, np.uint8))})
+    assert connector.take_output(request, prompt) is not None  # the prompt's rows, at once
+    before = StepResult(entries={"long": EmittedRows(4, np.full((1, 2, 2), 2, np.uint8))})
+    request.num_tokens = 6
     assert connector.take_output(request, before) is None
     connector.request_finished(request)  # preempted: still RUNNING when vLLM calls this
     request.status = RequestStatus.PREEMPTED
-    request.num_output_tokens = 1
+    request.num_output_tokens = 2
     request.status = RequestStatus.RUNNING
     schedule(connector, {"long": request})  # rescheduled: new to vLLM's hash bookkeeping
-    request.num_tokens = 8
+    request.num_tokens = 9
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    after = StepResult(entries={"long": EmittedRows(4, np.full((3, 2, 2), 2, np.uint8))})
+    after = StepResult(entries={"long": EmittedRows(5, np.full((3, 2, 2), 3, np.uint8))})
     rows = connector.take_output(request, after)
-    assert rows is not None and rows[:, 0, 0].tolist() == [1] * 4 + [2] * 3
+    assert rows is not None and rows[:, 0, 0].tolist() == [2] + [3] * 3
     connector.request_finished(request)
     assert connector._held_rows == {}

@@ -14,10 +14,11 @@ request's executed tokens) and adds what the Artifact Connector needs:
   :class:`~vllm_artifact.core.handoff.R3Keys` handle on its terminal output (the keys of its
   blocks in rank zero's store); its rows are never shipped to the frontend;
 * a request whose end the engine decides (no stop strings, which the frontend matches, and
-  not a resumable streaming-input request) gets its rows in one array on its terminal output,
-  not one small array per step: vLLM's transport sends each array over 256 bytes as a frame of
-  its own, and a 256-request decode batch's per-step frames cost the engine core's output thread
-  and the frontend more CPU than the rest of R3 (``docs/design.md``, decision 15);
+  not a resumable streaming-input request) gets its rows in two arrays, its prompt's with its
+  first token and the rest on its terminal output, not one small array per step: vLLM's
+  transport sends each array over 256 bytes as a frame of its own, and a 256-request decode
+  batch's per-step frames cost the engine core's output thread and the frontend more CPU than
+  the rest of R3 (``docs/design.md``, "A request's rows cross to the frontend in two parts");
 * a worker-reported :class:`~vllm_artifact.core.failure.R3Failure` is recorded instead of
   tripping vLLM's assertion (which would kill the engine); the scheduler then finishes that
   request with an error.
@@ -29,8 +30,8 @@ worker reads it only then) and packs hashes only for requests that have new ones
 ``take_output`` reads the worker's column-wise :class:`~vllm_artifact.contract.StepResult`.
 When vLLM calls each method, and on which thread, is in :mod:`vllm_artifact.contract`.
 
-Everything here is O(new hashes + scheduled requests) per step; nothing proportional to a
-request's length runs at terminal time.
+Everything here is O(new hashes + scheduled requests) per step (held rows are joined every
+16 steps); at a held request's end one copy of its generated tokens' rows.
 """
 
 from __future__ import annotations
@@ -278,7 +279,9 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 if keys is not None:
                     return self._keys_output(request, keys)
                 held = self._held_rows.get(request.request_id)
-                return None if held is None else self._held_output(request, held, None)
+                if held is None or request.status is _RUNNING:
+                    return None
+                return self._held_end(request, held)
             token_start, step_rows = entry
             rows = (
                 step_rows  # usually every row
@@ -286,19 +289,24 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 else self._cut_rows(request, token_start, step_rows)
             )
             held = self._held_rows.get(request.request_id)
-            return rows if held is None else self._held_output(request, held, rows)
+            if held is None:
+                return rows
+            # Held (module docstring): its first rows (the prompt's) go out at once, so that
+            # its end copies only its generated tokens' rows; the rest wait for its end.
+            if rows is not None:
+                if not held.first_out:
+                    held.first_out = True
+                    return rows
+                held.add(rows)
+            return None if request.status is _RUNNING else self._held_end(request, held)
         except Exception as error:
             self._late_failures[request.request_id] = _internal_failure(request, error)
             return None
 
-    def _held_output(
-        self, request: Any, held: HeldRows, rows: np.ndarray | None
-    ) -> np.ndarray | None:
-        """A held request's output: none while it runs (this step's rows are kept), at its
-        end all its rows in one array."""
-        if rows is not None:
-            held.add(rows)
-        if request.status is _RUNNING or not request.is_finished():  # (the first test is free)
+    def _held_end(self, request: Any, held: HeldRows) -> np.ndarray | None:
+        """A held request that is not running: at its end its held rows in one array; none
+        while it waits (preempted, or a step of async scheduling that ran past it)."""
+        if not request.is_finished():
             return None
         del self._held_rows[request.request_id]
         return held.take()

@@ -1,11 +1,11 @@
 """A running request's R3 rows, held in the engine until its last step.
 
-Sending a request's rows once, at its end, costs one transport frame instead of one per step
-(``integration/scheduler_connector.py`` says which requests qualify). Holding them runs on the
-scheduler thread for every request on every step, so it costs a list append: the holder is a
-list, and the rows stay views of the step arrays they came in (a step's rows of every request
-together). So that a long request among many short ones does not keep every step's array
-alive, the newest views are joined into one array of the request's own every
+Sending a request's generated tokens' rows once, at its end, costs one transport frame instead
+of one per step (``integration/scheduler_connector.py`` says which requests qualify). Holding
+them runs on the scheduler thread for every request on every step, so it costs a list append:
+the holder is a list, and the rows stay views of the step arrays they came in (a step's rows
+of every request together). So that a long request among many short ones does not keep every
+step's array alive, the newest views are joined into one array of the request's own every
 :data:`JOIN_EVERY` steps. At its end the parts are joined once more, into the array it is sent
 in: one copy of its rows (memcpy speed), the only work there proportional to its length.
 The scheduler connector sends a request's first rows (its prompt's, usually the bulk) at once

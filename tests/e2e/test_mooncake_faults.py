@@ -336,9 +336,12 @@ def test_full_segment_fails_publication_and_later_hits_closed_engine_serves(
         assert "R3 objects failed (capacity)" in logged_since(before, after)
         # Some blocks of a batch that found too little room were stored (hard-pinned in
         # Mooncake): each is pinned by the engine too, so the unpin when its KV block goes
-        # removes it; none is left unaccounted for, filling the segment for good.
+        # removes it; none is left unaccounted for, filling the segment for good. Only a
+        # request's tail object is stored unpinned (Mooncake may evict it): whether the late
+        # ones' tails still found room depends on how the publisher batched their blocks.
         assert after["objects"] > before["objects"], "no late block fitted: nothing tested"
-        assert after["objects"] - after["pinned"] == before["objects"] - before["pinned"]
+        unpinned = after["objects"] - after["pinned"] - (before["objects"] - before["pinned"])
+        assert 0 <= unpinned <= len(late), (before, after)
         # Pinned objects are never evicted: the early prompt's hit reads them back.
         assert_hit_reads_back(llm, model_a, early, first)
         # The last long prompt found no room: its hit fails closed, not partially.

@@ -93,8 +93,8 @@ def test_a_long_held_request_keeps_a_bounded_number_of_step_arrays() -> None:
         if step == 0:
             assert rows is not None  # the first rows go out at once
         elif step < steps - 1:
-            views = [part for part in connector._held_rows["long"] if part.base is not None]
-            assert rows is None and len(views) < JOIN_EVERY  # step arrays kept alive
+            views = connector._held_rows["long"]._recent  # views of step arrays kept alive
+            assert rows is None and len(views) < JOIN_EVERY
     assert rows is not None and rows[:, 0, 0].tolist() == [s % 251 for s in range(1, steps)]
 
 
@@ -122,7 +122,7 @@ def test_an_aborted_held_request_is_forgotten() -> None:
     step = StepResult(entries={"gone": EmittedRows(4, np.zeros((1, 2, 2), np.uint8))})
     requests["gone"].num_tokens = 6
     assert connector.take_output(requests["gone"], step) is None
-    assert len(connector._held_rows["gone"]) == 1
+    assert len(connector._held_rows["gone"]._recent) == 1
     requests["gone"].status = RequestStatus.FINISHED_ABORTED
     connector.request_finished(requests["gone"])
     assert connector._held_rows == {}

@@ -2,9 +2,9 @@
 
 Sending a request's generated tokens' rows once, at its end, costs one transport frame instead
 of one per step (``integration/scheduler_connector.py`` says which requests qualify). Holding
-them runs on the scheduler thread for every request on every step, so it costs a list append:
-the holder is a list, and the rows stay views of the step arrays they came in (a step's rows
-of every request together). So that a long request among many short ones does not keep every
+them runs on the scheduler thread for every request on every step, so it costs a list append;
+the rows stay views of the step arrays they came in (a step's rows of every request
+together). So that a long request among many short ones does not keep every
 step's array alive, the newest views are joined into one array of the request's own every
 :data:`JOIN_EVERY` steps. At its end the parts are joined once more, into the array it is sent
 in: one copy of its rows (memcpy speed), the only work there proportional to its length.
@@ -30,31 +30,28 @@ __all__ = ["JOIN_EVERY", "HeldRows"]
 JOIN_EVERY = 16
 
 
-class HeldRows(list[np.ndarray]):
-    """The rows of a request's steps so far, in order: the arrays of its own first, then the
-    newest steps' views. :meth:`add` appends one step's rows; :meth:`take` returns them all
-    in one array."""
+class HeldRows:
+    """The rows of a request's steps so far, in order (:meth:`add`, :meth:`take`)."""
 
-    __slots__ = ("_join_at", "first_out")
+    __slots__ = ("_joined", "_recent", "first_out")
 
     def __init__(self) -> None:
-        super().__init__()
-        self._join_at = JOIN_EVERY  # the length at which the newest views are joined
+        self._joined: list[np.ndarray] = []  # arrays of the request's own rows
+        self._recent: list[np.ndarray] = []  # the newest steps' rows (views of step arrays)
         self.first_out = False  # the holder's user sent the request's first rows at once
 
     def add(self, rows: np.ndarray) -> None:
         """Append one step's rows (rows along axis 0; the same row shape and dtype each time)."""
-        self.append(rows)
-        if len(self) >= self._join_at:
-            owned = self._join_at - JOIN_EVERY
-            self[owned:] = [np.concatenate(self[owned:])]
-            self._join_at = owned + 1 + JOIN_EVERY
+        recent = self._recent
+        recent.append(rows)
+        if len(recent) >= JOIN_EVERY:
+            self._joined.append(np.concatenate(recent))
+            self._recent = []
 
     def take(self) -> np.ndarray | None:
         """Every row added, in one array (None if none was); the holder is empty after."""
-        parts = self[:]
-        self.clear()
-        self._join_at = JOIN_EVERY
+        parts = self._joined + self._recent
+        self._joined, self._recent = [], []
         if len(parts) <= 1:
             return parts[0] if parts else None
         return np.concatenate(parts)

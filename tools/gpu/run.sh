@@ -83,12 +83,12 @@ for phase in "$@"; do
             kill $SERVER; wait $SERVER
             ;;
         perf)  # off / vLLM's own / ours side by side, bf16, full CUDA graphs (tools/gpu/perf)
-            rm -rf /tmp/perf-out
+            # the driver writes into $OUT as it goes: a run cut short still brings its rounds back
             python3 tools/gpu/perf/floor.py | tee "$OUT/perf-floor.txt"
-            python3 tools/gpu/perf/driver.py --out /tmp/perf-out --rounds "${PERF_ROUNDS:-5}" \
-                --deadline "${PERF_DEADLINE:-420}" ${PERF_FLAGS:-} 2>&1 | grep -v " INFO " \
+            python3 tools/gpu/perf/driver.py --out "$OUT/perf" --rounds "${PERF_ROUNDS:-5}" \
+                --deadline "${PERF_DEADLINE:-420}" ${PERF_FLAGS:-} 2>&1 | grep --line-buffered -v " INFO " \
                 | tee "$OUT/perf.txt" || status=1
-            tar czf "$OUT/perf.tgz" -C /tmp/perf-out .
+            tar czf "$OUT/perf.tgz" -C "$OUT/perf" . && rm -rf "$OUT/perf"
             ;;
         matrix)  # bf16 vs vLLM's own, EAGLE, native CPU KV offload, restart (tools/gpu/matrix.py)
             python3 tools/gpu/matrix.py --engine-args "$ENGINE_ARGS" --out "$OUT/matrix" \

@@ -37,14 +37,26 @@ IDLE = (
 )
 
 
+def gaps_of(run: dict[str, Any]) -> list[float]:
+    times = [t for t, _ in run["steps"]]
+    return [b - a for a, b in zip([0.0, *times], times, strict=False)]
+
+
+def long_gaps(run: dict[str, Any]) -> list[float]:
+    """The steps above 1.5x the run's median step: those carrying prefill."""
+    gaps = gaps_of(run)
+    median = statistics.median(gaps) if gaps else 0.0
+    return [g for g in gaps if g > 1.5 * median]
+
+
 def phases(run: dict[str, Any]) -> dict[str, float]:
     """Wall seconds of one run split by the frontend's step trace."""
     times = [t for t, _ in run["steps"]]
-    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    gaps = gaps_of(run)
     if not gaps:
         return {"total": run["seconds"]}
     median = statistics.median(gaps)
-    long = [g for g in gaps if g > 1.5 * median]
+    long = long_gaps(run)
     return {
         "total": run["seconds"],
         "steps": len(gaps),
@@ -134,6 +146,36 @@ def main() -> None:
                 f"{median_of(runs, 'last_step_ms'):.1f} ms, after it "
                 f"{median_of(runs, 'after_last_ms'):.1f} ms"
             )
+        print("  per round, median long step ms (the eager prefill-carrying steps): min/median/max")
+        for config in configs:
+            per_round = [
+                1000 * statistics.median(long)
+                for r in timed
+                if r["workload"] == workload and r["config"] == config
+                if (long := long_gaps(r))
+            ]
+            if per_round:
+                print(
+                    f"    {config:<7} {min(per_round):6.1f} {statistics.median(per_round):6.1f} "
+                    f"{max(per_round):6.1f}  (n={len(per_round)})"
+                )
+        print("  cyclic GC per round (median): collections and seconds per generation")
+        for config in configs:
+            for role in ("engine", "frontend"):
+                rounds = [
+                    r["gc"][role]
+                    for r in timed
+                    if r["workload"] == workload and r["config"] == config and r.get("gc")
+                ]
+                if rounds and rounds[0]:
+                    cells = "  ".join(
+                        f"gen{g} {statistics.median(x.get(f'gen{g}_n', 0) for x in rounds):.0f}"
+                        f" x {1000 * statistics.median(x.get(f'gen{g}_s', 0) for x in rounds):.1f}"
+                        f" ms (max {1000 * max(x.get(f'gen{g}_max_s', 0) for x in rounds):.1f})"
+                        for g in range(3)
+                    )
+                    tracked = statistics.median(x.get("tracked", 0) for x in rounds)
+                    print(f"    {config:<7} {role:<8} {cells}; tracked {tracked:.0f}")
         print("  CPU seconds per thread (median over rounds; threads above 0.05 s)")
         cpu = {
             c: thread_cpu([r for r in timed if r["workload"] == workload and r["config"] == c])

@@ -4,11 +4,17 @@ One worker process per configuration (``worker.py``) holds its engine for the wh
 the engines start one after another (vLLM's memory profiling must not see another engine
 allocating), then every round runs each workload on each configuration in a rotated order,
 with the round's own fresh prompts. Ratios are paired by round, so drift between rounds
-cancels. After the timed rounds, ``--profile`` records one more round per configuration with
-py-spy (frontend and engine core, every thread), not counted in the ratios.
+cancels; each ratio comes with its geometric mean over rounds and a 95% bootstrap interval
+(a goal is resolved when the interval lies on one side of it). After the timed rounds,
+``--profile`` records one more round per configuration with py-spy (frontend and engine core,
+every thread) and ``--torch-profile`` a short one under torch.profiler in the engine core
+(op tables), neither counted in the ratios. ``--cpus`` pins every engine to a CPU set. A
+configuration ``ours+nocap`` is ours with vLLM's per-layer capture unbound after start-up:
+an experiment that prices the capture itself (its R3 is wrong by design).
 
     python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
-        [--workloads decode,prefill] [--profile] [--model DIR] [--scale 1.0]
+        [--workloads decode,prefill] [--profile] [--torch-profile] [--cpus auto]
+        [--model DIR] [--scale 1.0]
 
 On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
 DeepSeek-V3's R3 shape (58 MoE layers, 256 experts, top-8, hidden 256), bf16, full CUDA
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -101,9 +108,10 @@ class Engine:
         args: dict[str, Any],
         log: Path,
         plugins_without_ours: str,
+        cpus: set[int] | None = None,
     ):
         env = dict(os.environ)
-        if config != "ours":  # our plugin stays out of off and native
+        if config.partition("+")[0] != "ours":  # our plugin stays out of off and native
             env["VLLM_PLUGINS"] = plugins_without_ours
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # store counters through collective_rpc
         self.config = config
@@ -123,6 +131,8 @@ class Engine:
             text=True,
             bufsize=1,
             env=env,
+            # every process and thread of the engine inherits the worker's CPU set
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.answers: list[dict[str, Any]] = []
         self.ready = threading.Condition()
@@ -163,7 +173,7 @@ class Engine:
 
 
 def profile(
-    engine: Engine, ready: dict[str, Any], out: Path, rate: int, **command: Any
+    engine: Engine, ready: dict[str, Any], out: Path, rate: int, native: bool, **command: Any
 ) -> dict[str, Any]:
     """One round under py-spy (every thread of the frontend and of the engine core)."""
     pids = {
@@ -175,7 +185,7 @@ def profile(
             [
                 "py-spy",
                 "record",
-                "--nonblocking",
+                "--native" if native else "--nonblocking",  # native stacks pause the process
                 "--threads",
                 "-r",
                 str(rate),
@@ -203,11 +213,52 @@ def profile(
     return result
 
 
+def parse_cpus(spec: str) -> set[int] | None:
+    """``--cpus``: "" (no pinning), "auto" (the first 8 CPUs local to GPU 0) or "2-5,8"."""
+    if not spec:
+        return None
+    if spec == "auto":
+        try:
+            bus = subprocess.run(
+                ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            domain, rest = bus.lower().split(":", 1)
+            local = Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/local_cpulist").read_text()
+            found = parse_cpus(local.strip()) or set()
+        except (OSError, ValueError, subprocess.CalledProcessError) as error:
+            print(f"GPU-local CPUs unknown ({error}); pinning to the first allowed", flush=True)
+            found = os.sched_getaffinity(0)
+        return set(sorted(found)[:8])
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def paired(results: list[dict[str, Any]], workload: str, a: str, b: str) -> list[float]:
     """Per round: out tok/s of ``a`` over ``b``."""
     by = {(r["config"], r["seed"]): r for r in results if r["workload"] == workload}
     seeds = sorted({s for c, s in by if c == a} & {s for c, s in by if c == b})
     return [by[(a, s)]["out_tok_s"] / by[(b, s)]["out_tok_s"] for s in seeds]
+
+
+def geomean_ci(ratios: list[float], draws: int = 4000) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios with a 95% bootstrap interval (fixed seed): a goal is
+    resolved when the whole interval lies on one side of it."""
+    import random
+
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    return (
+        math.exp(statistics.fmean(logs)),
+        math.exp(means[int(0.025 * draws)]),
+        math.exp(means[int(0.975 * draws) - 1]),
+    )
 
 
 def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[str]) -> str:
@@ -228,14 +279,17 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
         for a, b in (("ours", "off"), ("native", "off"), ("ours", "native")):
             ratios = paired(results, workload, a, b)
             if ratios:
+                mean, low, high = geomean_ci(ratios)
                 lines.append(
                     f"  {a}/{b}: median {statistics.median(ratios):.4f} "
-                    f"(min {min(ratios):.4f}, max {max(ratios):.4f}, n={len(ratios)})"
+                    f"(min {min(ratios):.4f}, max {max(ratios):.4f}, n={len(ratios)}); "
+                    f"geometric mean {mean:.4f}, 95% interval {low:.4f}-{high:.4f}"
                 )
         for seed in sorted({r["seed"] for r in rows}):
             same = {r["config"]: r for r in rows if r["seed"] == seed}
             tokens = {r["tokens_digest"] for r in same.values()}
-            r3 = {c: r["r3_digest"] for c, r in same.items() if c != "off"}
+            # variants ("ours+nocap") are experiments whose R3 is not meant to be right
+            r3 = {c: r["r3_digest"] for c, r in same.items() if c in ("native", "ours")}
             missing = sum(r["r3_missing"] for r in same.values())
             same_tokens = "identical" if len(tokens) == 1 else "DIFFER"
             verdict = "identical" if len(set(r3.values())) <= 1 else "DIFFER"
@@ -262,8 +316,23 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/perf-models"))
     parser.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON")
     parser.add_argument("--profile", action="store_true", help="one py-spy round at the end")
+    parser.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="one round per configuration under torch.profiler in the engine core (tables)",
+    )
+    parser.add_argument(
+        "--spy-native",
+        action="store_true",
+        help="py-spy with native (C/CUDA) frames: launch vs. waiting on the GPU",
+    )
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--deadline", type=float, default=540, help="stop rounds after (s)")
+    parser.add_argument(
+        "--cpus",
+        default="",
+        help='pin every engine to these CPUs ("auto": 8 CPUs local to GPU 0; "2-5,8")',
+    )
     args = parser.parse_args()
     begun = time.monotonic()
     import torch
@@ -288,6 +357,8 @@ def main() -> int:
     workloads = args.workloads.split(",")
     # CPU engines need the CPU support plugin in every configuration (docs/cpu.md)
     plugins_without_ours = "vllm_artifact_cpu_support" if cpu else "not_loaded"
+    cpus = parse_cpus(args.cpus)
+    print(f"engines pinned to CPUs {sorted(cpus) if cpus else 'none'}", flush=True)
     engines = {
         c: Engine(
             c,
@@ -296,11 +367,29 @@ def main() -> int:
             engine_args,
             args.out / f"log-{c}.txt",
             plugins_without_ours,
+            cpus,
         )
         for c in configs
     }
     ready: dict[str, dict[str, Any]] = {}
     results: list[dict[str, Any]] = []
+
+    def save() -> None:
+        """results.json after every run, so a run cut short keeps what it measured."""
+        (args.out / "results.json").write_text(
+            json.dumps(
+                {
+                    "engine_args": engine_args,
+                    "model": str(model),
+                    "scale": scale,
+                    "cpus": sorted(cpus) if cpus else None,
+                    "ready": ready,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
+
     try:
         for config, engine in engines.items():
             print(f"[{time.monotonic() - begun:5.0f}s] {config}: {engine.ask(300)}", flush=True)
@@ -325,10 +414,24 @@ def main() -> int:
                         print(f"{config}: {res}", flush=True)
                         return 1
                     results.append(res)
+                    save()
                     print(
                         f"[{time.monotonic() - begun:5.0f}s] round {rnd} {workload} {config}: "
                         f"{res['seconds']:.3f} s, {res['out_tok_s']:.1f} out tok/s, "
                         f"{len(res['steps'])} steps",
+                        flush=True,
+                    )
+        if args.torch_profile:
+            for w, workload in enumerate(workloads):
+                for config in configs:
+                    res = engines[config].ask(
+                        600, cmd="torch_profile", workload=workload, seed=800_000 + w, scale=scale
+                    )
+                    name = f"torch-{config}-{workload}.txt"
+                    (args.out / name).write_text(res.get("table", str(res)))
+                    print(
+                        f"[{time.monotonic() - begun:5.0f}s] torch.profiler {workload} {config}: "
+                        f"{res.get('seconds', 0):.3f} s -> {name}",
                         flush=True,
                     )
         if args.profile:
@@ -339,6 +442,7 @@ def main() -> int:
                         ready[config],
                         args.out,
                         args.rate,
+                        args.spy_native,
                         cmd="run",
                         workload=workload,
                         seed=900_000 + w,
@@ -355,18 +459,7 @@ def main() -> int:
         for engine in engines.values():
             engine.close()
         timed = [r for r in results if not r.get("profiled")]
-        (args.out / "results.json").write_text(
-            json.dumps(
-                {
-                    "engine_args": engine_args,
-                    "model": str(model),
-                    "scale": scale,
-                    "ready": ready,
-                    "results": results,
-                },
-                indent=1,
-            )
-        )
+        save()
         text = summary(timed, configs, workloads)
         (args.out / "summary.txt").write_text(text + "\n")
         print(text, flush=True)

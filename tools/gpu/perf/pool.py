@@ -1,11 +1,16 @@
-"""Per-round throughput ratios pooled over several ``driver.py`` runs (each on its own machine).
+"""Per-round speed ratios pooled over several ``driver.py`` runs (each on its own machine).
 
     python tools/gpu/perf/pool.py RUN.json [RUN.json ...]
 
 Each argument is a run's ``results.json`` (inside the ``perf.tgz`` run.sh packs). A round runs
-the three configurations back to back on one machine, so its ratios are the side-by-side
-figures; pooling rounds of several runs gives more of them than one device call can hold.
-Profiled rounds (slowed by py-spy) are left out.
+the configurations back to back on one machine, so its ratios are the side-by-side figures;
+pooling rounds of several runs gives more of them than one device call can hold. Profiled
+rounds (slowed by py-spy) are left out.
+
+Per workload and pair, three speed ratios (above 1: the first configuration is faster): the
+whole round (output tokens/s), its median short step (the CUDA-graph decode steps) and its
+median long step (the eager steps that carry prefill, above 1.5x the run's median step);
+each as the median, the geometric mean and its 95% bootstrap interval over rounds.
 """
 
 from __future__ import annotations
@@ -13,36 +18,64 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-PAIRS = (("ours", "off"), ("native", "off"), ("ours", "native"))
+from analyze import gaps_of, long_gaps
+from driver import geomean_ci
+
+PAIRS = (("ours", "off"), ("native", "off"), ("ours", "native"), ("ours+nocap", "ours"))
+
+
+def short_step(run: dict[str, Any]) -> float:
+    gaps = gaps_of(run)
+    median = statistics.median(gaps)
+    return statistics.median(g for g in gaps if g <= 1.5 * median)
+
+
+def long_step(run: dict[str, Any]) -> float:
+    return statistics.median(long_gaps(run) or [float("nan")])
+
+
+#: name -> seconds-like measure of one run (smaller is faster)
+PARTS: dict[str, Callable[[dict[str, Any]], float]] = {
+    "round": lambda run: 1 / run["out_tok_s"],
+    "short step": short_step,
+    "long step": long_step,
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
-    rounds: dict[str, dict[tuple[int, int], dict[str, float]]] = {}
+    rounds: dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]] = {}
     for index, path in enumerate(args.runs):
         for result in json.loads(path.read_text())["results"]:
-            if result.get("profiled"):
+            if result.get("profiled") or not result.get("steps"):
                 continue
             by_round = rounds.setdefault(result["workload"], {})
-            by_round.setdefault((index, result["seed"]), {})[result["config"]] = result["out_tok_s"]
-    print(f"per-round ratios of output tokens/s, {len(args.runs)} runs pooled")
+            by_round.setdefault((index, result["seed"]), {})[result["config"]] = result
+    print(f"per-round speed ratios, {len(args.runs)} runs pooled")
     for workload, by_round in sorted(rounds.items()):
         for top, bottom in PAIRS:
-            ratios = sorted(
-                tps[top] / tps[bottom] for tps in by_round.values() if top in tps and bottom in tps
-            )
-            if len(ratios) < 2:
-                continue
-            low, _, high = statistics.quantiles(ratios, n=4)
-            print(
-                f"{workload:8s} {top}/{bottom}: median {statistics.median(ratios):.3f}"
-                f"  quartiles {low:.3f}-{high:.3f}  min {ratios[0]:.3f} max {ratios[-1]:.3f}"
-                f"  n={len(ratios)}"
-            )
+            for part, measure in PARTS.items():
+                ratios = sorted(
+                    measure(runs[bottom]) / measure(runs[top])
+                    for runs in by_round.values()
+                    if top in runs and bottom in runs
+                )
+                ratios = [r for r in ratios if r == r]  # a run without long steps has none
+                if len(ratios) < 2:
+                    continue
+                mean, low, high = geomean_ci(ratios)
+                print(
+                    f"{workload:8s} {top}/{bottom} {part:10s}: median "
+                    f"{statistics.median(ratios):.4f}, geometric mean {mean:.4f} "
+                    f"(95% {low:.4f}-{high:.4f}), min {ratios[0]:.3f} max {ratios[-1]:.3f}, "
+                    f"n={len(ratios)}"
+                )
 
 
 if __name__ == "__main__":

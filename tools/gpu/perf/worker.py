@@ -33,9 +33,16 @@ def reply(**fields: Any) -> None:
     sys.stdout.flush()
 
 
-def workload_prompts(name: str, seed: int, scale: float) -> tuple[list[list[int]], int]:
+def workload_prompts(
+    name: str, seed: int, scale: float, count: int | None = None
+) -> tuple[list[list[int]], int]:
     """Token-id prompts and output length of a workload (random ids, fresh per seed, the
-    same for every configuration of a round)."""
+    same for every configuration of a round); ``count`` keeps only the first prompts."""
+    prompts, max_tokens = _workload(name, seed, scale)
+    return prompts[:count], max_tokens
+
+
+def _workload(name: str, seed: int, scale: float) -> tuple[list[list[int]], int]:
     rng = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
@@ -64,6 +71,86 @@ def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
                     name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
             out[f"{name}:{thread.id}"] = thread.user_time + thread.system_time
     return out
+
+
+def gc_totals(_: Any = None) -> dict[str, float]:
+    """Cyclic-GC collections and seconds per generation so far in this process (a callback
+    installed on first call), and the objects the collector tracks now."""
+    import gc
+
+    # kept on the gc module: collective_rpc ships this function by value to the engine core
+    seen: dict[str, float] | None = getattr(gc, "_perf_seen", None)
+    if seen is None:
+        seen = {}
+        started: list[float] = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+                return
+            assert seen is not None
+            gen = info["generation"]
+            took = time.perf_counter() - started[0]
+            seen[f"gen{gen}_n"] = seen.get(f"gen{gen}_n", 0) + 1
+            seen[f"gen{gen}_s"] = seen.get(f"gen{gen}_s", 0.0) + took
+            seen[f"gen{gen}_max_s"] = max(seen.get(f"gen{gen}_max_s", 0.0), took)
+
+        gc.callbacks.append(on_gc)
+        gc._perf_seen = seen  # type: ignore[attr-defined]
+    totals = dict(seen)
+    totals["tracked"] = len(gc.get_objects())
+    totals["frozen"] = gc.get_freeze_count()
+    return totals
+
+
+def torch_profile(_: Any = None, stop: bool = False) -> str:
+    """Start (or stop and summarise) torch.profiler in this process: on stop, the ops by
+    self CPU time and by self device time, and the counts of a few CUDA runtime calls."""
+    import torch
+
+    if not stop:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
+        prof.__enter__()
+        torch._perf_profiler = prof  # type: ignore[attr-defined]
+        return "started"
+    prof = torch._perf_profiler  # type: ignore[attr-defined]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    table = prof.key_averages()
+    lines = [table.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60)]
+    if torch.cuda.is_available():
+        for device_key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                lines.append(
+                    table.table(sort_by=device_key, row_limit=25, max_name_column_width=60)
+                )
+                break
+            except Exception as error:  # the key's name differs between torch versions
+                lines.append(f"(sort by {device_key}: {error})")
+    return "\n".join(lines)
+
+
+def unbind_capture(worker: Any) -> int:
+    """Unbind vLLM's routed-experts capture from every MoE router of the worker's model (the
+    CUDA graphs captured at start-up keep theirs); returns how many were unbound."""
+    count = 0
+    for module in worker.get_model().modules():
+        for owner in (module, getattr(module, "router", None)):
+            if owner is not None and getattr(owner, "capture_fn", None) is not None:
+                owner.capture_fn = None
+                count += 1
+    return count
+
+
+def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        k: (v if k.endswith("max_s") or k in ("tracked", "frozen") else v - before.get(k, 0))
+        for k, v in after.items()
+    }
 
 
 def python_thread_names() -> dict[int, str]:
@@ -114,6 +201,9 @@ def store_counts(llm: Any) -> dict[str, int]:
 class Worker:
     def __init__(self, config: str, model: str, root: str, engine_args: dict[str, Any]):
         self.config = config
+        # "ours+nocap": ours with vLLM's per-layer capture unbound after start-up (an
+        # experiment: what the capture itself costs; its R3 is wrong by design)
+        self.base, _, self.variant = config.partition("+")
         self.model = model
         self.root = root
         self.engine_args = engine_args
@@ -125,9 +215,9 @@ class Worker:
         from vllm import LLM
 
         kwargs = dict(self.engine_args)
-        if self.config == "native":
+        if self.base == "native":
             kwargs["enable_return_routed_experts"] = True
-        elif self.config == "ours":
+        elif self.base == "ours":
             kwargs.update(enable_routed_experts=True, artifact_root=self.root)
         started = time.perf_counter()
         self.llm = LLM(self.model, **kwargs)
@@ -149,11 +239,17 @@ class Worker:
             return outputs
 
         engine.step = timed_step
+        unbound = None
+        if self.variant == "nocap":
+            unbound = self.llm.collective_rpc(unbind_capture)
+        elif self.variant:
+            raise ValueError(f"unknown variant {self.variant!r}")
         return {
             "startup_s": startup,
             "pid": os.getpid(),
             "engine_pids": self.engine_pids,
             "plugin_modules_loaded": len(plugins),
+            "capture_unbound": unbound,
             "kwargs": repr(kwargs),
         }
 
@@ -176,21 +272,23 @@ class Worker:
     def run(self, workload: str, seed: int, scale: float) -> dict[str, Any]:
         prompts, max_tokens = workload_prompts(workload, seed, scale)
         self.llm.reset_prefix_cache()
-        before_store = store_counts(self.llm) if self.config == "ours" else {}
+        before_store = store_counts(self.llm) if self.base == "ours" else {}
         before = counters(self.llm)
         pids = [os.getpid(), *self.engine_pids]
         names = python_thread_names()
         with contextlib.suppress(Exception):  # the engine core's threads (same process as
             for found in self.llm.collective_rpc(lambda _: python_thread_names()):  # its worker)
                 names.update({int(k): v for k, v in found.items()})
+        gc0 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
         self.steps = []
         started = time.perf_counter()
         outputs = self.generate(prompts, max_tokens)
         seconds = time.perf_counter() - started
         cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
+        gc1 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         after = counters(self.llm)
-        after_store = store_counts(self.llm) if self.config == "ours" else {}
+        after_store = store_counts(self.llm) if self.base == "ours" else {}
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         tokens = hashlib.blake2b(digest_size=8)
@@ -200,7 +298,7 @@ class Worker:
         for o in outputs:
             tokens.update(np.asarray(o.outputs[0].token_ids, dtype=np.int64).tobytes())
             experts = o.outputs[0].routed_experts
-            if self.config != "off":
+            if self.base != "off":
                 if not isinstance(experts, np.ndarray):
                     missing += 1
                     continue
@@ -235,7 +333,25 @@ class Worker:
             "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,
+            "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
         }
+
+    def torch_profile(self, workload: str, seed: int, scale: float) -> dict[str, Any]:
+        """A short round (the workload's first 32 prompts: a few steps of each kind) with
+        torch.profiler running in the engine core; not timed."""
+        prompts, max_tokens = workload_prompts(workload, seed, scale, count=32)
+        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc(torch_profile)
+        started = time.perf_counter()
+        self.generate(prompts, max_tokens)
+        seconds = time.perf_counter() - started
+        tables = self.llm.collective_rpc(torch_profile, kwargs={"stop": True})
+        return {"seconds": seconds, "table": tables[0]}
+
+    def engine_gc(self) -> dict[str, float]:
+        with contextlib.suppress(Exception):
+            return dict(self.llm.collective_rpc(gc_totals)[0])
+        return {}
 
     def stop(self) -> None:
         import psutil
@@ -268,6 +384,11 @@ def main() -> None:
                 reply(
                     event="result",
                     **worker.run(command["workload"], command["seed"], command["scale"]),
+                )
+            elif command["cmd"] == "torch_profile":
+                reply(
+                    event="profiled",
+                    **worker.torch_profile(command["workload"], command["seed"], command["scale"]),
                 )
             elif command["cmd"] == "stop":
                 break

@@ -176,6 +176,21 @@ def main() -> None:
                     )
                     tracked = statistics.median(x.get("tracked", 0) for x in rounds)
                     print(f"    {config:<7} {role:<8} {cells}; tracked {tracked:.0f}")
+        print("  per round (median): page faults minor/major, context switches vol./invol.")
+        for config in configs:
+            rounds = [
+                r["process"]
+                for r in timed
+                if r["workload"] == workload and r["config"] == config and r.get("process")
+            ]
+            for role in sorted({k for x in rounds for k in x}):
+                got = [x[role] for x in rounds if x.get(role)]
+                if got:
+                    cells = " / ".join(
+                        f"{statistics.median(x.get(k, 0) for x in got):.0f}"
+                        for k in ("minflt", "majflt", "ctx_voluntary", "ctx_involuntary")
+                    )
+                    print(f"    {config:<7} {role:<9} {cells}")
         print("  CPU seconds per thread (median over rounds; threads above 0.05 s)")
         cpu = {
             c: thread_cpu([r for r in timed if r["workload"] == workload and r["config"] == c])

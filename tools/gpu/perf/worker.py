@@ -153,6 +153,23 @@ def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     }
 
 
+def process_counters(pid: int) -> dict[str, int]:
+    """Page faults (minor, major) and context switches (voluntary, involuntary) of a process
+    so far: fresh memory touched, and threads handing the GIL or the CPU over."""
+    import psutil
+
+    with contextlib.suppress(OSError, psutil.Error):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        switches = psutil.Process(pid).num_ctx_switches()
+        return {
+            "minflt": int(fields[7]),
+            "majflt": int(fields[9]),
+            "ctx_voluntary": switches.voluntary,
+            "ctx_involuntary": switches.involuntary,
+        }
+    return {}
+
+
 def python_thread_names() -> dict[int, str]:
     import threading
 
@@ -281,11 +298,13 @@ class Worker:
                 names.update({int(k): v for k, v in found.items()})
         gc0 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
+        proc0 = {pid: process_counters(pid) for pid in pids}
         self.steps = []
         started = time.perf_counter()
         outputs = self.generate(prompts, max_tokens)
         seconds = time.perf_counter() - started
         cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
+        proc1 = {pid: process_counters(pid) for pid in pids}
         gc1 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         after = counters(self.llm)
         after_store = store_counts(self.llm) if self.base == "ours" else {}
@@ -334,6 +353,12 @@ class Worker:
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,
             "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
+            "process": {
+                "frontend" if pid == os.getpid() else f"engine{i}": {
+                    k: v - proc0[pid].get(k, 0) for k, v in proc1[pid].items()
+                }
+                for i, pid in enumerate(pids)
+            },
         }
 
     def torch_profile(self, workload: str, seed: int, scale: float) -> dict[str, Any]:

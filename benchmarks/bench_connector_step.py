@@ -31,10 +31,12 @@ for the GIL (wall minus CPU).
 ``--workload prefill`` drives prefill-heavy steps instead (no target: the issue's are for
 decode): chunked prefill of 1025-token prompts whose first 256 tokens are a prefix hit read
 from the store, 8192 tokens per step, 4 output tokens each, so about 512 blocks complete and
-ten requests arrive and finish in every step.
+ten requests arrive and finish in every step. ``--workload prefill-hits`` has the shape of the
+H200 harness's prefill workload (``tools/gpu/perf``): 2049-token prompts whose first 1536
+tokens are a prefix hit, 16 output tokens.
 
 Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]
-[--workload decode|prefill]``
+[--workload decode|prefill|prefill-hits]``
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -86,9 +88,20 @@ NEW_REQUEST_EVERY = 4  # steps
 EVICTIONS_PER_STEP = 16  # a full KV cache frees about as many blocks as the batch fills
 # --workload prefill: the shape of bench_e2e's prefill workload at DeepSeek-V3's R3 size.
 PREFILL_TOKEN_BUDGET = 8192  # tokens per step (max_num_batched_tokens), chunked prefill
-PREFILL_SHARED_BLOCKS = 16  # a 256-token shared prefix, a prefix hit read from the store
 PREFILL_MAX_RUNNING = 64
-PREFILL_OUTPUT_TOKENS = 4
+
+
+class PrefillShape(NamedTuple):
+    prompt_blocks: int  # 16-token blocks of each prompt (plus one token)
+    shared_blocks: int  # of them, a shared prefix: a prefix hit read from the store
+    output_tokens: int
+
+
+PREFILL_SHAPES = {
+    "prefill": PrefillShape(PREFIX_BLOCKS, 16, 4),  # 1025 tokens, a 256-token hit
+    # the H200 harness's prefill workload (tools/gpu/perf): 2049 tokens, a 1536-token hit
+    "prefill-hits": PrefillShape(128, 96, 16),
+}
 PREFILL_EVICTIONS_PER_STEP = PREFILL_TOKEN_BUDGET // LAYOUT.block_size
 WARM_UP_STEPS = 20
 TARGET_SCHEDULER_MS = 0.3
@@ -102,7 +115,9 @@ def block_hash(tag: int, i: int) -> bytes:
     return hashlib.sha256(tag.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()
 
 
-PREFIX_HASHES = [block_hash(0, i) for i in range(PREFIX_BLOCKS)]
+# the shared prefix every hit reads, as long as the longest hit of any workload
+SHARED_BLOCKS = max(PREFIX_BLOCKS, *(shape.shared_blocks for shape in PREFILL_SHAPES.values()))
+PREFIX_HASHES = [block_hash(0, i) for i in range(SHARED_BLOCKS)]
 
 
 class FakeRequest:
@@ -255,10 +270,12 @@ class Config:
             request.sampling_params.routed_experts_prompt_start = request.num_prompt_tokens - 1
             self.requests[request.request_id] = request
 
-    def _new_request(self, hit: bool, shared_blocks: int | None = None) -> FakeRequest:
+    def _new_request(
+        self, hit: bool, shared_blocks: int | None = None, prompt_blocks: int = PREFIX_BLOCKS
+    ) -> FakeRequest:
         own = 1000 + self.next_id
         prefix_tag = 0 if hit else own
-        request = FakeRequest(f"r{self.next_id}", prefix_tag, own, PREFIX_BLOCKS, shared_blocks)
+        request = FakeRequest(f"r{self.next_id}", prefix_tag, own, prompt_blocks, shared_blocks)
         self.next_id += 1
         return request
 
@@ -298,14 +315,17 @@ class Config:
             schedule(request)
         arrived = False
         while budget and len(self.requests) < PREFILL_MAX_RUNNING:
-            request = self._new_request(hit=True, shared_blocks=PREFILL_SHARED_BLOCKS)
+            shape = PREFILL_SHAPES[self.workload]
+            request = self._new_request(
+                hit=True, shared_blocks=shape.shared_blocks, prompt_blocks=shape.prompt_blocks
+            )
             self.requests[request.request_id] = request
             schedule(request)
             arrived = True
         return finished, scheduled, arrived
 
     def step(self) -> None:
-        prefill = self.workload == "prefill"
+        prefill = self.workload != "decode"
         finished, scheduled, hit = self._schedule_prefill() if prefill else self._schedule_decode()
         requests = self.requests
         batch = [requests[request_id] for request_id in scheduled]
@@ -356,7 +376,7 @@ class Config:
                 continue
             request.decode_one()
             sampled.append(request)
-            if prefill and request.num_output_tokens >= PREFILL_OUTPUT_TOKENS:
+            if prefill and request.num_output_tokens >= PREFILL_SHAPES[self.workload].output_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 stopped.append(request)
         c2b, t2b = time.thread_time(), time.perf_counter()
@@ -462,7 +482,7 @@ def ours(root: str, workload: str, name: str = "ours") -> tuple[Config, Callable
     )
     # The shared prefix was published by an earlier request.
     prefix_rows = np.random.default_rng(1).integers(
-        0, 256, (PREFIX_BLOCKS * 16, 58, 8), dtype=np.uint8
+        0, 256, (SHARED_BLOCKS * 16, 58, 8), dtype=np.uint8
     )
     store.put_blocks(full_block_keys(tracker.namespace, PREFIX_HASHES), prefix_rows, 0)
     capturer = StandInCapturer()
@@ -494,7 +514,7 @@ def vllms_own(workload: str) -> tuple[Config, Callable[[], None]]:
         return BlockObjectStore(max_bytes=256 << 20, object_nbytes=LAYOUT.block_nbytes)
 
     prefix_rows = np.random.default_rng(1).integers(
-        0, 256, (PREFIX_BLOCKS, 16 * 58 * 8), dtype=np.uint8
+        0, 256, (SHARED_BLOCKS, 16 * 58 * 8), dtype=np.uint8
     )
     prefix = [
         BlockObject(key=key, payload=row.tobytes())
@@ -561,10 +581,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120, help="steps per round and config")
     parser.add_argument(
         "--workload",
-        choices=("decode", "prefill"),
+        choices=("decode", *PREFILL_SHAPES),
         default="decode",
         help="decode: the issue's 256 decoding requests (the targets); prefill: chunked "
-        f"prefill of 1025-token prompts, {PREFILL_TOKEN_BUDGET} tokens per step (no target)",
+        f"prefill of 1025-token prompts, {PREFILL_TOKEN_BUDGET} tokens per step (no target); "
+        "prefill-hits: the H200 harness's prefill (2049-token prompts, a 1536-token hit)",
     )
     args = parser.parse_args()
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
@@ -599,6 +620,7 @@ def report(configs: list[Config]) -> None:
         return statistics.median(ordered), ordered[int(0.9 * len(ordered))]
 
     decode = configs[0].workload == "decode"
+    prefill = PREFILL_SHAPES.get(configs[0].workload, PREFILL_SHAPES["prefill"])
     bs = LAYOUT.block_size
     shape = f"R3 {LAYOUT.num_layers}x{LAYOUT.top_k} uint8, block {bs}"
     if decode:
@@ -609,9 +631,9 @@ def report(configs: list[Config]) -> None:
     else:
         what = (
             f"chunked prefill, {PREFILL_TOKEN_BUDGET} tokens per step, up to "
-            f"{PREFILL_MAX_RUNNING} requests of {PREFIX_BLOCKS * bs + 1}-token prompts (a "
-            f"{PREFILL_SHARED_BLOCKS * bs}-token prefix hit from the store) and "
-            f"{PREFILL_OUTPUT_TOKENS} output tokens, {shape}; no target (the issue's are for "
+            f"{PREFILL_MAX_RUNNING} requests of {prefill.prompt_blocks * bs + 1}-token prompts (a "
+            f"{prefill.shared_blocks * bs}-token prefix hit from the store) and "
+            f"{prefill.output_tokens} output tokens, {shape}; no target (the issue's are for "
             "decode)"
         )
     print(
@@ -631,9 +653,10 @@ def report(configs: list[Config]) -> None:
             verdict = ""
             if config.name == "ours" and decode:
                 verdict = f"  target <= {target} ms: {'PASS' if median <= target else 'MISS'}"
+            mean = statistics.fmean(getattr(config, f"{side}_ms"))  # what throughput pays
             print(
-                f"  {side:<9} {config.name:<14} CPU median {median:6.3f} ms (p90 {p90:6.3f}), "
-                f"wall median {wall:6.3f} ms (p90 {wall_p90:6.3f}){verdict}"
+                f"  {side:<9} {config.name:<14} CPU median {median:6.3f} ms (p90 {p90:6.3f}, "
+                f"mean {mean:6.3f}), wall median {wall:6.3f} ms (p90 {wall_p90:6.3f}){verdict}"
             )
         ratio = medians[side, "ours"] / medians[side, "vLLM's own"]
         print(f"  {side:<9} ours / vLLM's own (CPU medians): {ratio:.2f}x")

@@ -105,7 +105,8 @@ def gc_totals(_: Any = None) -> dict[str, float]:
 
 def torch_profile(_: Any = None, stop: bool = False) -> str:
     """Start (or stop and summarise) torch.profiler in this process: on stop, the ops by
-    self CPU time and by self device time, and the counts of a few CUDA runtime calls."""
+    self CPU time (CUDA runtime calls such as kernel launches and syncs among them) and, on a
+    GPU, by self device time."""
     import torch
 
     if not stop:

@@ -236,6 +236,7 @@ class Config:
     ) -> None:
         self.name = name
         self.workload = workload
+        self.prefill_shape = PREFILL_SHAPES.get(workload)  # None: the decode workload
         self.write_log = write_log
         # CPU seconds of redoing every store write of the run on the main thread, alone.
         self.replay_writes = replay_writes
@@ -315,7 +316,8 @@ class Config:
             schedule(request)
         arrived = False
         while budget and len(self.requests) < PREFILL_MAX_RUNNING:
-            shape = PREFILL_SHAPES[self.workload]
+            shape = self.prefill_shape
+            assert shape is not None  # a prefill workload
             request = self._new_request(
                 hit=True, shared_blocks=shape.shared_blocks, prompt_blocks=shape.prompt_blocks
             )
@@ -325,7 +327,8 @@ class Config:
         return finished, scheduled, arrived
 
     def step(self) -> None:
-        prefill = self.workload != "decode"
+        shape = self.prefill_shape
+        prefill = shape is not None
         finished, scheduled, hit = self._schedule_prefill() if prefill else self._schedule_decode()
         requests = self.requests
         batch = [requests[request_id] for request_id in scheduled]
@@ -376,7 +379,7 @@ class Config:
                 continue
             request.decode_one()
             sampled.append(request)
-            if prefill and request.num_output_tokens >= PREFILL_SHAPES[self.workload].output_tokens:
+            if shape is not None and request.num_output_tokens >= shape.output_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 stopped.append(request)
         c2b, t2b = time.thread_time(), time.perf_counter()

@@ -37,34 +37,29 @@ IDLE = (
 )
 
 
-def gaps_of(run: dict[str, Any]) -> list[float]:
+def step_gaps(run: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """The run's step durations as the frontend saw them, split: the short ones (decode) and
+    the long ones, above 1.5x the run's median step (those carrying prefill)."""
     times = [t for t, _ in run["steps"]]
-    return [b - a for a, b in zip([0.0, *times], times, strict=False)]
-
-
-def long_gaps(run: dict[str, Any]) -> list[float]:
-    """The steps above 1.5x the run's median step: those carrying prefill."""
-    gaps = gaps_of(run)
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
     median = statistics.median(gaps) if gaps else 0.0
-    return [g for g in gaps if g > 1.5 * median]
+    return [g for g in gaps if g <= 1.5 * median], [g for g in gaps if g > 1.5 * median]
 
 
 def phases(run: dict[str, Any]) -> dict[str, float]:
     """Wall seconds of one run split by the frontend's step trace."""
     times = [t for t, _ in run["steps"]]
-    gaps = gaps_of(run)
-    if not gaps:
+    if not times:
         return {"total": run["seconds"]}
-    median = statistics.median(gaps)
-    long = long_gaps(run)
+    short, long = step_gaps(run)
     return {
         "total": run["seconds"],
-        "steps": len(gaps),
+        "steps": len(short) + len(long),
         "long_steps": len(long),
         "long_s": sum(long),
-        "short_s": sum(g for g in gaps if g <= 1.5 * median),
-        "median_step_ms": 1000 * median,
-        "last_step_ms": 1000 * gaps[-1],
+        "short_s": sum(short),
+        "median_step_ms": 1000 * statistics.median(short + long),
+        "last_step_ms": 1000 * (times[-1] - (times[-2] if len(times) > 1 else 0.0)),
         "after_last_ms": 1000 * (run["seconds"] - times[-1]),
     }
 
@@ -152,7 +147,7 @@ def main() -> None:
                 1000 * statistics.median(long)
                 for r in timed
                 if r["workload"] == workload and r["config"] == config
-                if (long := long_gaps(r))
+                if (long := step_gaps(r)[1])
             ]
             if per_round:
                 print(
@@ -176,7 +171,8 @@ def main() -> None:
                     )
                     tracked = statistics.median(x.get("tracked", 0) for x in rounds)
                     print(f"    {config:<7} {role:<8} {cells}; tracked {tracked:.0f}")
-        print("  per round (median): page faults minor/major, context switches vol./invol.")
+        if any(r.get("process") for r in timed if r["workload"] == workload):  # newer runs
+            print("  per round (median): page faults minor/major, context switches vol./invol.")
         for config in configs:
             rounds = [
                 r["process"]

@@ -22,20 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from analyze import gaps_of, long_gaps
-from driver import geomean_ci
-
-PAIRS = (("ours", "off"), ("native", "off"), ("ours", "native"), ("ours+nocap", "ours"))
+from analyze import step_gaps
+from driver import PAIRS, geomean_ci
 
 
 def short_step(run: dict[str, Any]) -> float:
-    gaps = gaps_of(run)
-    median = statistics.median(gaps)
-    return statistics.median(g for g in gaps if g <= 1.5 * median)
+    return statistics.median(step_gaps(run)[0])
 
 
 def long_step(run: dict[str, Any]) -> float:
-    return statistics.median(long_gaps(run) or [float("nan")])
+    return statistics.median(step_gaps(run)[1] or [float("nan")])
 
 
 #: name -> seconds-like measure of one run (smaller is faster)

@@ -8,13 +8,17 @@ cancels; each ratio comes with its geometric mean over rounds and a 95% bootstra
 (a goal is resolved when the interval lies on one side of it). After the timed rounds,
 ``--profile`` records one more round per configuration with py-spy (frontend and engine core,
 every thread) and ``--torch-profile`` a short one under torch.profiler in the engine core
-(op tables), neither counted in the ratios. ``--cpus`` pins every engine to a CPU set. A
+(op tables) and ``--python-profile`` one under cProfile on the engine core's main thread
+(``cprofile_diff.py`` compares two), none counted in the ratios. ``--concurrent`` runs each
+round's configurations at the same time instead of one after another: the machine's speed
+drifts by tens of percent within seconds (the eager prefill steps), and at once it drifts
+for all of them alike. ``--cpus`` pins every engine to a CPU set. A
 configuration ``ours+nocap`` is ours with vLLM's per-layer capture unbound after start-up:
 an experiment that prices the capture itself (its R3 is wrong by design).
 
     python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
-        [--workloads decode,prefill] [--profile] [--torch-profile] [--cpus auto]
-        [--model DIR] [--scale 1.0]
+        [--workloads decode,prefill] [--concurrent] [--profile] [--torch-profile]
+        [--python-profile] [--cpus auto] [--model DIR] [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
 
 On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
 DeepSeek-V3's R3 shape (58 MoE layers, 256 experts, top-8, hidden 256), bf16, full CUDA
@@ -62,11 +66,28 @@ GPU_ENGINE_ARGS: dict[str, Any] = {
 }
 
 
-def perf_model(cache: Path, cpu: bool) -> Path:
-    """The benchmark's model, built once per machine by the product's tiny-model builder."""
+def perf_model(cache: Path, shape: str) -> Path:
+    """The benchmark's model, built once per machine by the product's tiny-model builder:
+    ``dsv3`` has DeepSeek-V3's R3 shape (the GPU default), ``dsv3-cpu`` the same R3 shape
+    with smaller matrices (where the connectors' per-step work is the same, the forward
+    cheap enough for a CPU), ``small`` a 4-layer model (the CPU default: a quick check)."""
     from vllm_artifact.selftest.tiny_models import TinyModelSpec, build_from_spec, is_complete
 
-    if cpu:
+    if shape == "dsv3-cpu":
+        spec = TinyModelSpec(
+            name="perf-dsv3-shape-cpu",
+            num_experts=256,
+            top_k=8,
+            moe_intermediate_size=32,
+            num_layers=58,
+            hidden_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            max_position_embeddings=8192,
+        )
+    elif shape == "small":
         spec = TinyModelSpec(
             name="perf-cpu",
             num_experts=16,
@@ -75,7 +96,7 @@ def perf_model(cache: Path, cpu: bool) -> Path:
             num_layers=4,
             max_position_embeddings=8192,
         )
-    else:  # DeepSeek-V3's R3 shape; small hidden size so it loads and runs quickly
+    elif shape == "dsv3":  # DeepSeek-V3's R3 shape; small hidden size: loads and runs quickly
         spec = TinyModelSpec(
             name="perf-dsv3-shape",
             num_experts=256,
@@ -89,6 +110,8 @@ def perf_model(cache: Path, cpu: bool) -> Path:
             intermediate_size=512,
             max_position_embeddings=8192,
         )
+    else:
+        raise ValueError(f"unknown model shape {shape!r}")
     target = cache / f"{spec.name}-{spec.digest()}"
     if not is_complete(target):
         started = time.monotonic()
@@ -151,16 +174,26 @@ class Engine:
             self.answers.append({"event": "error", "error": f"worker exited ({self.proc.wait()})"})
             self.ready.notify_all()
 
-    def ask(self, timeout: float, **command: Any) -> dict[str, Any]:
-        """Send one command and wait for its answer (or the worker's first, for None)."""
+    def send(self, **command: Any) -> int:
+        """Send one command; returns the index its answer will have (for :meth:`wait`)."""
         with self.ready:
-            seen = len(self.answers) if command else 0  # the first answer may be in already
-            if command and self.proc.stdin is not None:
+            seen = len(self.answers)
+            if self.proc.stdin is not None:
                 self.proc.stdin.write(json.dumps(command) + "\n")
                 self.proc.stdin.flush()
+            return seen
+
+    def wait(self, seen: int, timeout: float) -> dict[str, Any]:
+        """The answer with index ``seen`` (an error answer after ``timeout`` seconds)."""
+        with self.ready:
             if not self.ready.wait_for(lambda: len(self.answers) > seen, timeout=timeout):
-                return {"event": "error", "error": f"no answer in {timeout:.0f} s to {command}"}
+                return {"event": "error", "error": f"no answer in {timeout:.0f} s"}
             return self.answers[seen]
+
+    def ask(self, timeout: float, **command: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer (or the worker's first, for None)."""
+        seen = self.send(**command) if command else 0  # the first answer may be in already
+        return self.wait(seen, timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -318,12 +351,28 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=None, help="workload size factor")
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/perf-models"))
+    parser.add_argument(
+        "--shape",
+        choices=("dsv3", "dsv3-cpu", "small"),
+        default=None,
+        help="the model built (default: dsv3 on a GPU, small on CPU)",
+    )
     parser.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON")
     parser.add_argument("--profile", action="store_true", help="one py-spy round at the end")
     parser.add_argument(
         "--torch-profile",
         action="store_true",
         help="one round per configuration under torch.profiler in the engine core (tables)",
+    )
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run each round's configurations at the same time (drift hits them together)",
+    )
+    parser.add_argument(
+        "--python-profile",
+        action="store_true",
+        help="one round per configuration under cProfile on the engine core's main thread",
     )
     parser.add_argument(
         "--spy-native",
@@ -356,7 +405,7 @@ def main() -> int:
         engine_args = dict(GPU_ENGINE_ARGS)
     engine_args.update(args.engine_args)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or perf_model(args.cache, cpu)
+    model = args.model or perf_model(args.cache, args.shape or ("small" if cpu else "dsv3"))
     configs = args.configs.split(",")
     workloads = args.workloads.split(",")
     # CPU engines need the CPU support plugin in every configuration (docs/cpu.md)
@@ -387,6 +436,7 @@ def main() -> int:
                     "model": str(model),
                     "scale": scale,
                     "cpus": sorted(cpus) if cpus else None,
+                    "concurrent": args.concurrent,
                     "ready": ready,
                     "results": results,
                 },
@@ -402,7 +452,7 @@ def main() -> int:
             print(f"[{time.monotonic() - begun:5.0f}s] {config}: {ready[config]}", flush=True)
             if ready[config]["event"] != "ready":
                 return 1
-            warm = engine.ask(600, cmd="warm", scale=scale)
+            warm = engine.ask(600, cmd="warm", scale=scale, workloads=workloads)
             print(f"[{time.monotonic() - begun:5.0f}s] {config}: {warm}", flush=True)
         for rnd in range(args.rounds):
             if time.monotonic() - begun > args.deadline:
@@ -410,9 +460,18 @@ def main() -> int:
                 break
             for w, workload in enumerate(workloads):
                 order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
+                command = {"cmd": "run", "workload": workload, "seed": 1000 * rnd + w}
+                # --concurrent: every configuration's round starts now and runs at once
+                sent = (
+                    {c: engines[c].send(**command, scale=scale) for c in order}
+                    if args.concurrent
+                    else {}
+                )
                 for config in order:
-                    res = engines[config].ask(
-                        600, cmd="run", workload=workload, seed=1000 * rnd + w, scale=scale
+                    res = (
+                        engines[config].wait(sent[config], 600)
+                        if args.concurrent
+                        else engines[config].ask(600, **command, scale=scale)
                     )
                     if res["event"] != "result":
                         print(f"{config}: {res}", flush=True)
@@ -425,16 +484,26 @@ def main() -> int:
                         f"{len(res['steps'])} steps",
                         flush=True,
                     )
-        if args.torch_profile:
+        for wanted, cmd, prefix in (
+            (args.torch_profile, "torch_profile", "torch"),
+            (args.python_profile, "python_profile", "cprofile"),
+        ):
+            if not wanted:
+                continue
             for w, workload in enumerate(workloads):
                 for config in configs:
+                    name = f"{prefix}-{config}-{workload}.txt"
                     res = engines[config].ask(
-                        600, cmd="torch_profile", workload=workload, seed=800_000 + w, scale=scale
+                        600,
+                        cmd=cmd,
+                        workload=workload,
+                        seed=800_000 + w,
+                        scale=scale,
+                        dump=str((args.out / name).with_suffix(".pstats").resolve()),
                     )
-                    name = f"torch-{config}-{workload}.txt"
                     (args.out / name).write_text(res.get("table", str(res)))
                     print(
-                        f"[{time.monotonic() - begun:5.0f}s] torch.profiler {workload} {config}: "
+                        f"[{time.monotonic() - begun:5.0f}s] {cmd} {workload} {config}: "
                         f"{res.get('seconds', 0):.3f} s -> {name}",
                         flush=True,
                     )

@@ -135,6 +135,32 @@ def torch_profile(_: Any = None, stop: bool = False) -> str:
     return "\n".join(lines)
 
 
+def python_profile(_: Any = None, stop: bool = False, dump: str = "") -> str:
+    """Start (or stop and summarise) cProfile on the calling thread. collective_rpc runs on
+    the engine core's main thread, which on a one-GPU engine does everything of a step
+    (scheduling, launching the forward, the connectors, outputs): the tables say where that
+    thread's time goes, function by function (cProfile inflates Python-heavy code)."""
+    import cProfile
+    import io
+    import pstats
+
+    if not stop:
+        prof = cProfile.Profile()
+        prof.enable()
+        cProfile._perf_profile = prof  # type: ignore[attr-defined]
+        return "started"
+    prof = cProfile._perf_profile  # type: ignore[attr-defined]
+    prof.disable()
+    if dump:  # the whole profile, for pstats or snakeviz
+        prof.dump_stats(dump)
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    for key in ("tottime", "cumulative"):
+        out.write(f"== sorted by {key}\n")
+        stats.sort_stats(key).print_stats(60)
+    return out.getvalue()
+
+
 def unbind_capture(worker: Any) -> int:
     """Unbind vLLM's routed-experts capture from every MoE router of the worker's model (the
     CUDA graphs captured at start-up keep theirs); returns how many were unbound."""
@@ -277,11 +303,13 @@ class Worker:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    def warm(self, scale: float) -> dict[str, Any]:
+    def warm(self, scale: float, workloads: list[str]) -> dict[str, Any]:
         """Every batch shape the rounds use, on other prompts (Triton compiles its MoE
         kernels per shape on first use), then an empty prefix cache."""
         started = time.perf_counter()
         for name, seed in (("decode", 99), ("prefill", 98)):
+            if name not in workloads:
+                continue
             prompts, _ = workload_prompts(name, seed, scale)
             self.generate(prompts, 8)
         self.llm.reset_prefix_cache()
@@ -374,6 +402,18 @@ class Worker:
         tables = self.llm.collective_rpc(torch_profile, kwargs={"stop": True})
         return {"seconds": seconds, "table": tables[0]}
 
+    def python_profile(self, workload: str, seed: int, scale: float, dump: str) -> dict[str, Any]:
+        """The workload's first 32 prompts with cProfile on the engine core's main thread
+        (the whole profile written to ``dump``)."""
+        prompts, max_tokens = workload_prompts(workload, seed, scale, count=32)
+        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc(python_profile)
+        started = time.perf_counter()
+        self.generate(prompts, max_tokens)
+        seconds = time.perf_counter() - started
+        tables = self.llm.collective_rpc(python_profile, kwargs={"stop": True, "dump": dump})
+        return {"seconds": seconds, "table": tables[0]}
+
     def engine_gc(self) -> dict[str, float]:
         with contextlib.suppress(Exception):
             return dict(self.llm.collective_rpc(gc_totals)[0])
@@ -405,7 +445,8 @@ def main() -> None:
             if command["cmd"] == "start":
                 reply(event="ready", **worker.start())
             elif command["cmd"] == "warm":
-                reply(event="warm", **worker.warm(command["scale"]))
+                workloads = command.get("workloads", ["decode", "prefill"])
+                reply(event="warm", **worker.warm(command["scale"], workloads))
             elif command["cmd"] == "run":
                 reply(
                     event="result",
@@ -415,6 +456,13 @@ def main() -> None:
                 reply(
                     event="profiled",
                     **worker.torch_profile(command["workload"], command["seed"], command["scale"]),
+                )
+            elif command["cmd"] == "python_profile":
+                reply(
+                    event="profiled",
+                    **worker.python_profile(
+                        command["workload"], command["seed"], command["scale"], command["dump"]
+                    ),
                 )
             elif command["cmd"] == "stop":
                 break

@@ -73,19 +73,29 @@ def perf_model(cache: Path, shape: str) -> Path:
     cheap enough for a CPU), ``small`` a 4-layer model (the CPU default: a quick check)."""
     from vllm_artifact.selftest.tiny_models import TinyModelSpec, build_from_spec, is_complete
 
-    if shape == "dsv3-cpu":
+    # DeepSeek-V3's R3 shape: 58 MoE layers of 256 experts, top-8
+    dsv3 = {"num_experts": 256, "top_k": 8, "num_layers": 58, "max_position_embeddings": 8192}
+    if shape == "dsv3":  # a small hidden size: loads and runs quickly
+        spec = TinyModelSpec(
+            name="perf-dsv3-shape",
+            moe_intermediate_size=128,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            **dsv3,
+        )
+    elif shape == "dsv3-cpu":
         spec = TinyModelSpec(
             name="perf-dsv3-shape-cpu",
-            num_experts=256,
-            top_k=8,
             moe_intermediate_size=32,
-            num_layers=58,
             hidden_size=64,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=32,
             intermediate_size=128,
-            max_position_embeddings=8192,
+            **dsv3,
         )
     elif shape == "small":
         spec = TinyModelSpec(
@@ -94,20 +104,6 @@ def perf_model(cache: Path, shape: str) -> Path:
             top_k=4,
             moe_intermediate_size=32,
             num_layers=4,
-            max_position_embeddings=8192,
-        )
-    elif shape == "dsv3":  # DeepSeek-V3's R3 shape; small hidden size: loads and runs quickly
-        spec = TinyModelSpec(
-            name="perf-dsv3-shape",
-            num_experts=256,
-            top_k=8,
-            moe_intermediate_size=128,
-            num_layers=58,
-            hidden_size=256,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            intermediate_size=512,
             max_position_embeddings=8192,
         )
     else:
@@ -132,6 +128,7 @@ class Engine:
         log: Path,
         plugins_without_ours: str,
         cpus: set[int] | None = None,
+        timers: bool = False,
     ):
         env = dict(os.environ)
         if config.partition("+")[0] != "ours":  # our plugin stays out of off and native
@@ -147,6 +144,7 @@ class Engine:
                 str(model),
                 str(root),
                 json.dumps(args),
+                *(["timers"] if timers else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -313,6 +311,13 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
                     f"{statistics.median(r['seconds'] for r in mine):.3f}, steps "
                     f"{statistics.median(len(r['steps']) for r in mine):.0f}"
                 )
+        for config in configs:
+            timers = [r.get("step_timers") or {} for r in rows if r["config"] == config]
+            names = sorted({name for t in timers for name in t})
+            if names:  # the engine core main thread's CPU in each part, per round
+                ms = {n: statistics.median(t.get(n, [0, 0.0])[1] for t in timers) for n in names}
+                parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
+                lines.append(f"  {config:<7} main-thread CPU per round, ms (median): {parts}")
         for a, b in PAIRS:
             ratios = paired(results, workload, a, b)
             if ratios:
@@ -370,6 +375,11 @@ def main() -> int:
         help="run each round's configurations at the same time (drift hits them together)",
     )
     parser.add_argument(
+        "--step-timers",
+        action="store_true",
+        help="time the engine core main thread's scheduler and R3 connector calls per round",
+    )
+    parser.add_argument(
         "--python-profile",
         action="store_true",
         help="one round per configuration under cProfile on the engine core's main thread",
@@ -421,6 +431,7 @@ def main() -> int:
             args.out / f"log-{c}.txt",
             plugins_without_ours,
             cpus,
+            args.step_timers,
         )
         for c in configs
     }

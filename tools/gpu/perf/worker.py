@@ -161,6 +161,86 @@ def python_profile(_: Any = None, stop: bool = False, dump: str = "") -> str:
     return out.getvalue()
 
 
+def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
+    """CPU time of the engine core's main thread in the step's parts, by thread CPU clocks
+    around them (installed on first call; ``read`` returns and resets the totals): the
+    scheduler's ``schedule`` and ``update_from_output`` (every configuration; the R3
+    connector's per-request ``take_output`` runs inside the latter), the R3 connectors'
+    per-step methods on both sides and vLLM's per-layer capture (R3 configurations; eager
+    steps only, a CUDA graph replays it without Python). A few microseconds a step.
+    Name -> [calls, CPU seconds]. Runs where collective_rpc runs: on a one-GPU engine the
+    engine core's process, where the scheduler lives too."""
+    import functools
+
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    totals: dict[str, list[float]] | None = getattr(scheduler_module, "_perf_step_timers", None)
+    if totals is not None:
+        if read:
+            found = {name: list(entry) for name, entry in totals.items()}
+            for entry in totals.values():
+                entry[0], entry[1] = 0, 0.0
+            return found
+        return {}
+    totals = {}
+    scheduler_module._perf_step_timers = totals  # type: ignore[attr-defined]
+
+    def timed(name: str, original: Any) -> Any:
+        entry = totals.setdefault(name, [0, 0.0])
+        clock = time.thread_time
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                entry[0] += 1
+                entry[1] += clock() - started
+
+        return wrapper
+
+    def wrap_class(cls: type, names: tuple[str, ...], prefix: str) -> None:
+        for name in names:
+            if callable(getattr(cls, name, None)):
+                setattr(cls, name, timed(f"{prefix}.{name}", getattr(cls, name)))
+
+    # The scheduler and its R3 connector: the engine core running this call holds them (a
+    # caller's frame; vLLM freezes its start-up objects out of gc.get_objects()).
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    frame: Any = sys._getframe()
+    scheduler = None
+    while frame is not None and scheduler is None:
+        found = getattr(frame.f_locals.get("self"), "scheduler", None)
+        scheduler = found if isinstance(found, Scheduler) else None
+        frame = frame.f_back
+    if scheduler is not None:
+        wrap_class(type(scheduler), ("schedule", "update_from_output"), "scheduler")
+        connector = getattr(scheduler, "aux_output_connector", None)
+        if connector is not None:
+            wrap_class(
+                type(connector),
+                # per step only: per-request methods (take_output) run inside these
+                ("build_connector_meta", "observe_kv_events"),
+                "scheduler_connector",
+            )
+    connector = getattr(worker.model_runner, "aux_output_connector", None)
+    if connector is not None:
+        wrap_class(
+            type(connector), ("begin_step", "prepare_output", "process_output"), "worker_connector"
+        )
+        module = sys.modules[type(connector).__module__]
+        for value in vars(module).values():
+            if isinstance(value, type) and "enqueue_cpu_copy" in vars(value):
+                wrap_class(value, ("enqueue_cpu_copy",), "worker_connector")
+        for module_ in worker.get_model().modules():
+            for owner in (module_, getattr(module_, "router", None)):
+                if owner is not None and getattr(owner, "capture_fn", None) is not None:
+                    owner.capture_fn = timed("capture", owner.capture_fn)
+    return {}
+
+
 def unbind_capture(worker: Any) -> int:
     """Unbind vLLM's routed-experts capture from every MoE router of the worker's model (the
     CUDA graphs captured at start-up keep theirs); returns how many were unbound."""
@@ -243,8 +323,11 @@ def store_counts(llm: Any) -> dict[str, int]:
 
 
 class Worker:
-    def __init__(self, config: str, model: str, root: str, engine_args: dict[str, Any]):
+    def __init__(
+        self, config: str, model: str, root: str, engine_args: dict[str, Any], timers: bool
+    ):
         self.config = config
+        self.timers = timers  # step_timers in the engine core
         # "ours+nocap": ours with vLLM's per-layer capture unbound after start-up (an
         # experiment: what the capture itself costs; its R3 is wrong by design)
         self.base, _, self.variant = config.partition("+")
@@ -284,6 +367,8 @@ class Worker:
 
         engine.step = timed_step
         unbound = None
+        if self.timers:  # first: an unbound capture is not timed
+            self.llm.collective_rpc(step_timers)
         if self.variant == "nocap":
             unbound = self.llm.collective_rpc(unbind_capture)
         elif self.variant:
@@ -325,6 +410,7 @@ class Worker:
         with contextlib.suppress(Exception):  # the engine core's threads (same process as
             for found in self.llm.collective_rpc(lambda _: python_thread_names()):  # its worker)
                 names.update({int(k): v for k, v in found.items()})
+        self.read_step_timers()  # from zero
         gc0 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
         proc0 = {pid: process_counters(pid) for pid in pids}
@@ -335,6 +421,7 @@ class Worker:
         cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
         proc1 = {pid: process_counters(pid) for pid in pids}
         gc1 = {"frontend": gc_totals(), "engine": self.engine_gc()}
+        timers = self.read_step_timers()
         after = counters(self.llm)
         after_store = store_counts(self.llm) if self.base == "ours" else {}
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -382,6 +469,7 @@ class Worker:
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,
             "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
+            "step_timers": timers,
             "process": {
                 "frontend" if pid == os.getpid() else f"engine{i}": {
                     k: v - proc0[pid].get(k, 0) for k, v in proc1[pid].items()
@@ -393,26 +481,34 @@ class Worker:
     def torch_profile(self, workload: str, seed: int, scale: float) -> dict[str, Any]:
         """A short round (the workload's first 32 prompts: a few steps of each kind) with
         torch.profiler running in the engine core; not timed."""
-        prompts, max_tokens = workload_prompts(workload, seed, scale, count=32)
-        self.llm.reset_prefix_cache()
-        self.llm.collective_rpc(torch_profile)
-        started = time.perf_counter()
-        self.generate(prompts, max_tokens)
-        seconds = time.perf_counter() - started
-        tables = self.llm.collective_rpc(torch_profile, kwargs={"stop": True})
-        return {"seconds": seconds, "table": tables[0]}
+        return self._profiled_round(torch_profile, workload, seed, scale)
 
     def python_profile(self, workload: str, seed: int, scale: float, dump: str) -> dict[str, Any]:
-        """The workload's first 32 prompts with cProfile on the engine core's main thread
-        (the whole profile written to ``dump``)."""
+        """The same short round with cProfile on the engine core's main thread (the whole
+        profile written to ``dump``)."""
+        return self._profiled_round(python_profile, workload, seed, scale, dump=dump)
+
+    def _profiled_round(
+        self, profiler: Any, workload: str, seed: int, scale: float, **stop: Any
+    ) -> dict[str, Any]:
+        """The workload's first 32 prompts between ``profiler()`` and ``profiler(stop=True)``
+        in the engine core; its table."""
         prompts, max_tokens = workload_prompts(workload, seed, scale, count=32)
         self.llm.reset_prefix_cache()
-        self.llm.collective_rpc(python_profile)
+        self.llm.collective_rpc(profiler)
         started = time.perf_counter()
         self.generate(prompts, max_tokens)
         seconds = time.perf_counter() - started
-        tables = self.llm.collective_rpc(python_profile, kwargs={"stop": True, "dump": dump})
+        tables = self.llm.collective_rpc(profiler, kwargs={"stop": True, **stop})
         return {"seconds": seconds, "table": tables[0]}
+
+    def read_step_timers(self) -> dict[str, list[float]]:
+        """:func:`step_timers` since the last read (installed at start-up with ``timers``)."""
+        if not self.timers:
+            return {}
+        with contextlib.suppress(Exception):
+            return dict(self.llm.collective_rpc(step_timers, kwargs={"read": True})[0])
+        return {}
 
     def engine_gc(self) -> dict[str, float]:
         with contextlib.suppress(Exception):
@@ -433,9 +529,10 @@ class Worker:
 def main() -> None:
     config, model, root = sys.argv[1], sys.argv[2], sys.argv[3]
     engine_args = json.loads(sys.argv[4])
+    timers = sys.argv[5:6] == ["timers"]
     # collective_rpc of a local function (the workers' Python thread names) needs pickle
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    worker = Worker(config, model, root, engine_args)
+    worker = Worker(config, model, root, engine_args, timers)
     import vllm  # noqa: F401  (imported before "start", so the workers' imports overlap)
 
     reply(event="imported", pid=os.getpid())

@@ -181,17 +181,17 @@ class Engine:
                 self.proc.stdin.flush()
             return seen
 
-    def wait(self, seen: int, timeout: float) -> dict[str, Any]:
+    def wait(self, seen: int, timeout: float, what: object = None) -> dict[str, Any]:
         """The answer with index ``seen`` (an error answer after ``timeout`` seconds)."""
         with self.ready:
             if not self.ready.wait_for(lambda: len(self.answers) > seen, timeout=timeout):
-                return {"event": "error", "error": f"no answer in {timeout:.0f} s"}
+                return {"event": "error", "error": f"no answer in {timeout:.0f} s to {what}"}
             return self.answers[seen]
 
     def ask(self, timeout: float, **command: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (or the worker's first, for None)."""
         seen = self.send(**command) if command else 0  # the first answer may be in already
-        return self.wait(seen, timeout)
+        return self.wait(seen, timeout, command)
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -480,7 +480,7 @@ def main() -> int:
                 )
                 for config in order:
                     res = (
-                        engines[config].wait(sent[config], 600)
+                        engines[config].wait(sent[config], 600, command)
                         if args.concurrent
                         else engines[config].ask(600, **command, scale=scale)
                     )

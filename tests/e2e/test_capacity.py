@@ -174,6 +174,28 @@ def test_serving_ten_times_the_capacity(llm: Any, model_a: Path, store_root: Pat
         assert_routing_matches(experts, oracles[tokens])
 
 
+def test_a_prefix_cache_reset_unpins_every_object(llm: Any) -> None:
+    """Pins follow the KV cache through a reset too: once vLLM drops every block, no object
+    stays pinned; the next request pins its own blocks only."""
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    block_size = int(str(ENGINE_KWARGS["block_size"]))
+    llm.generate(
+        [
+            " ".join(f"Before reset {k}, sentence {j} routes to {j % 8}." for j in range(24))
+            for k in range(4)
+        ],
+        greedy,
+    )
+    pinned_before = connector_stats(llm)["pinned"]
+    assert llm.reset_prefix_cache()
+    # The reset reaches rank zero with the next step's metadata.
+    (output,) = llm.generate(["After the reset, one short request of its own."], greedy)
+    own_blocks = (len(output.prompt_token_ids) + 4) // block_size
+    pinned_after = connector_stats(llm)["pinned"]
+    assert pinned_before > own_blocks, pinned_before
+    assert pinned_after <= own_blocks, (pinned_before, pinned_after)
+
+
 def test_preemption_recompute_matches_oracle(llm: Any, model_a: Path) -> None:
     # 64 KV blocks of 32 tokens hold 2048 tokens; four ~470-token prompts growing by 100 tokens
     # need 18 blocks each, so they cannot all stay resident: vLLM preempts and recomputes.

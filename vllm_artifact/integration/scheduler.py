@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.core.kv_cache_utils import get_block_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -53,27 +53,36 @@ class _ArtifactSchedulerMixin:
             self._forward_kv_evictions()
 
     def _forward_kv_evictions(self) -> None:
-        """Let our connector see vLLM's KV cache events (block evictions).
+        """Let our connector see the KV cache's block evictions and prefix-cache resets.
 
-        Turns the block pool's events on and wraps this scheduler's
-        ``kv_cache_manager.take_events`` (instance attribute, vLLM 0.32.0): our connector sees
-        every event; vLLM's publisher gets them only if the user configured KV events, so
-        enabling them here changes nothing visible.
+        Wraps two methods of this scheduler's block pool (the instance's attributes): the
+        one every eviction path of vLLM's ``BlockPool`` reports removed hashes through
+        (``_emit_block_removed_events``, which queues ``BlockRemoved`` events only if the
+        user configured KV events) and ``reset_prefix_cache``. vLLM's own KV events stay as
+        the user configured them. (Turning the pool's events on instead makes it build a
+        ``BlockStored`` event, token ids included, for every block it caches or reuses, on
+        the scheduler's thread.)
         """
-        manager: Any = self.kv_cache_manager  # type: ignore[attr-defined]
-        pool = manager.block_pool
-        require_attributes("scheduler", (pool, "enable_kv_cache_events"), (manager, "take_events"))
-        user_wants_events = bool(pool.enable_kv_cache_events)
-        pool.enable_kv_cache_events = True
-        take_events = manager.take_events
+        pool: Any = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+        require_attributes(
+            "scheduler", (pool, "_emit_block_removed_events"), (pool, "reset_prefix_cache")
+        )
+        emit_removed = pool._emit_block_removed_events
+        reset = pool.reset_prefix_cache
         connector = self.aux_output_connector
 
-        def take_events_and_observe() -> Any:
-            events = take_events()
-            connector.observe_kv_events(events)
-            return events if user_wants_events else []
+        def emit_removed_and_observe(block_hashes: Any) -> Any:
+            connector.observe_kv_evictions([get_block_hash(h) for h in block_hashes])
+            return emit_removed(block_hashes)
 
-        manager.take_events = take_events_and_observe
+        def reset_and_observe() -> bool:
+            done = bool(reset())
+            if done:
+                connector.observe_kv_cleared()
+            return done
+
+        pool._emit_block_removed_events = emit_removed_and_observe
+        pool.reset_prefix_cache = reset_and_observe
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         connector = self.aux_output_connector

@@ -8,8 +8,8 @@ request's executed tokens) and adds what the Artifact Connector needs:
   the weights that produced them;
 * a request that finished normally gets its terminal partial block hashed like a KV block
   (same hash function, parent and extra keys), so the worker can publish it as an object;
-* KV cache evictions (vLLM's KV cache events) are forwarded, so the worker unpins exactly the
-  objects no KV block can hit any more;
+* the KV cache's block evictions are forwarded, so the worker unpins exactly the objects no
+  KV block can hit any more;
 * a request that asks for ``routed_experts_format="keys"`` gets, instead of its rows, an
   :class:`~vllm_artifact.core.handoff.R3Keys` handle on its terminal output (the keys of its
   blocks in rank zero's store); its rows are never shipped to the frontend;
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -138,14 +138,23 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         # scheduler fails them after vLLM's processing of the step (take_late_failures).
         self._late_failures: dict[str, R3Failure] = {}
 
+    def observe_kv_evictions(self, block_hashes: Sequence[bytes | int]) -> None:
+        """The KV cache evicted blocks with these hashes (or vLLM's event ids of them): the
+        worker unpins their objects."""
+        self._kv_evicted += eviction_ids(block_hashes)
+
+    def observe_kv_cleared(self) -> None:
+        """The KV cache dropped every block (prefix-cache reset)."""
+        self._kv_cleared = True
+        self._kv_evicted.clear()
+
     def observe_kv_events(self, events: list[Any] | None) -> None:
-        """Note KV evictions (vLLM KV cache events) so the worker can unpin their objects."""
+        """The same from vLLM's KV cache events (``BlockRemoved``, ``AllBlocksCleared``)."""
         for event in events or ():
             if isinstance(event, BlockRemoved):
-                self._kv_evicted += eviction_ids(event.block_hashes)
+                self.observe_kv_evictions(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self._kv_cleared = True
-                self._kv_evicted.clear()
+                self.observe_kv_cleared()
 
     def request_finished(self, request: Request) -> None:
         """Also hash the terminal partial block of a request that finished normally.

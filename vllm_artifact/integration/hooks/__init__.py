@@ -158,16 +158,20 @@ PATCHES: tuple[Patch, ...] = (
         hook="scheduler",
         kind=Kind.INSTANCE,
         targets=(
-            "vllm.v1.core.kv_cache_manager.KVCacheManager.take_events",
-            "vllm.v1.core.block_pool.BlockPool.enable_kv_cache_events",
+            "vllm.v1.core.block_pool.BlockPool._emit_block_removed_events",
+            "vllm.v1.core.block_pool.BlockPool.reset_prefix_cache",
         ),
-        why="The worker unpins a store object once no KV block can hit it, which only "
-        "vLLM's KV cache events (block removals) tell.",
-        how="On its own scheduler instance: turns the block pool's events on and wraps "
-        "kv_cache_manager.take_events (both checked to exist); our connector sees every "
-        "event, vLLM's publisher gets them only if the user configured KV events.",
-        upstream="None found: KV events go only to vLLM's ZMQ publisher.",
-        removal="An in-process KV event subscription upstream.",
+        why="The worker unpins a store object once no KV block can hit it, which only the "
+        "block pool's evictions (and prefix-cache resets) tell.",
+        how="On its own scheduler's block pool instance (both checked to exist): wraps the "
+        "private method every eviction path reports removed block hashes through, and "
+        "reset_prefix_cache; each calls the original, so vLLM's KV events stay as the user "
+        "configured them. Turning the pool's events on instead would build a BlockStored "
+        "event for every block cached.",
+        upstream="None found: evictions reach only vLLM's KV events, which go to its ZMQ "
+        "publisher and carry every stored block too.",
+        removal="An in-process eviction callback (or removals-only KV event subscription) "
+        "upstream.",
     ),
     Patch(
         hook="scheduler_connector",

@@ -66,6 +66,42 @@ GPU_ENGINE_ARGS: dict[str, Any] = {
 }
 
 
+#: DeepSeek-V3's R3 shape: 58 MoE layers of 256 experts, top-8
+_DSV3_R3 = {"num_experts": 256, "top_k": 8, "num_layers": 58, "max_position_embeddings": 8192}
+#: the models ``perf_model`` builds (TinyModelSpec fields); dsv3's small hidden size loads
+#: and runs quickly on a GPU, dsv3-cpu's smaller matrices fit a CPU
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "dsv3": dict(
+        _DSV3_R3,
+        name="perf-dsv3-shape",
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "dsv3-cpu": dict(
+        _DSV3_R3,
+        name="perf-dsv3-shape-cpu",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
+    "small": dict(
+        name="perf-cpu",
+        num_experts=16,
+        top_k=4,
+        num_layers=4,
+        moe_intermediate_size=32,
+        max_position_embeddings=8192,
+    ),
+}
+
+
 def perf_model(cache: Path, shape: str) -> Path:
     """The benchmark's model, built once per machine by the product's tiny-model builder:
     ``dsv3`` has DeepSeek-V3's R3 shape (the GPU default), ``dsv3-cpu`` the same R3 shape
@@ -73,41 +109,9 @@ def perf_model(cache: Path, shape: str) -> Path:
     cheap enough for a CPU), ``small`` a 4-layer model (the CPU default: a quick check)."""
     from vllm_artifact.selftest.tiny_models import TinyModelSpec, build_from_spec, is_complete
 
-    # DeepSeek-V3's R3 shape: 58 MoE layers of 256 experts, top-8
-    dsv3 = {"num_experts": 256, "top_k": 8, "num_layers": 58, "max_position_embeddings": 8192}
-    if shape == "dsv3":  # a small hidden size: loads and runs quickly
-        spec = TinyModelSpec(
-            name="perf-dsv3-shape",
-            moe_intermediate_size=128,
-            hidden_size=256,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            intermediate_size=512,
-            **dsv3,
-        )
-    elif shape == "dsv3-cpu":
-        spec = TinyModelSpec(
-            name="perf-dsv3-shape-cpu",
-            moe_intermediate_size=32,
-            hidden_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=128,
-            **dsv3,
-        )
-    elif shape == "small":
-        spec = TinyModelSpec(
-            name="perf-cpu",
-            num_experts=16,
-            top_k=4,
-            moe_intermediate_size=32,
-            num_layers=4,
-            max_position_embeddings=8192,
-        )
-    else:
+    if shape not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {shape!r}")
+    spec = TinyModelSpec(**MODEL_SHAPES[shape])
     target = cache / f"{spec.name}-{spec.digest()}"
     if not is_complete(target):
         started = time.monotonic()
@@ -358,7 +362,7 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/perf-models"))
     parser.add_argument(
         "--shape",
-        choices=("dsv3", "dsv3-cpu", "small"),
+        choices=sorted(MODEL_SHAPES),
         default=None,
         help="the model built (default: dsv3 on a GPU, small on CPU)",
     )

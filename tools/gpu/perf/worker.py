@@ -221,8 +221,9 @@ def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
         if connector is not None:
             wrap_class(
                 type(connector),
-                # per step only: per-request methods (take_output) run inside these
-                ("build_connector_meta", "observe_kv_events"),
+                # per step only: take_output (per request) runs inside update_from_output,
+                # ours' eviction observer (per evicted block) inside schedule
+                ("build_connector_meta",),
                 "scheduler_connector",
             )
     connector = getattr(worker.model_runner, "aux_output_connector", None)

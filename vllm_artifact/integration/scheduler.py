@@ -25,6 +25,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.integration.hooks import require_attributes
+from vllm_artifact.integration.kv_events import eviction_id
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 logger = logging.getLogger("vllm.artifact.scheduler")
@@ -72,7 +73,8 @@ class _ArtifactSchedulerMixin:
         connector = self.aux_output_connector
 
         def emit_removed_and_observe(block_hashes: Any) -> Any:
-            connector.observe_kv_evictions([get_block_hash(h) for h in block_hashes])
+            # one id per hash (raw hash bytes: eviction_ids' batch shortcut is for vLLM's ints)
+            connector.observe_kv_evictions([eviction_id(get_block_hash(h)) for h in block_hashes])
             return emit_removed(block_hashes)
 
         def reset_and_observe() -> bool:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -138,10 +138,10 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         # scheduler fails them after vLLM's processing of the step (take_late_failures).
         self._late_failures: dict[str, R3Failure] = {}
 
-    def observe_kv_evictions(self, block_hashes: Sequence[bytes | int]) -> None:
-        """The KV cache evicted blocks with these hashes (or vLLM's event ids of them): the
+    def observe_kv_evictions(self, ids: list[int]) -> None:
+        """The KV cache evicted the blocks with these eviction ids (``kv_events``): the
         worker unpins their objects."""
-        self._kv_evicted += eviction_ids(block_hashes)
+        self._kv_evicted += ids
 
     def observe_kv_cleared(self) -> None:
         """The KV cache dropped every block (prefix-cache reset)."""
@@ -152,7 +152,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         """The same from vLLM's KV cache events (``BlockRemoved``, ``AllBlocksCleared``)."""
         for event in events or ():
             if isinstance(event, BlockRemoved):
-                self.observe_kv_evictions(event.block_hashes)
+                self.observe_kv_evictions(eviction_ids(event.block_hashes))
             elif isinstance(event, AllBlocksCleared):
                 self.observe_kv_cleared()
 

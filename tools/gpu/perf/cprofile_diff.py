@@ -33,8 +33,8 @@ def name(key: Key) -> str:
     path, line, function = key
     if "site-packages/" in path:
         path = path.split("site-packages/", 1)[1]
-    elif "/work/" in path or "/vllm_artifact/" in path:
-        path = path[path.find("vllm_artifact") :] if "vllm_artifact" in path else path
+    elif ("/work/" in path or "/vllm_artifact/" in path) and "vllm_artifact" in path:
+        path = path[path.find("vllm_artifact") :]
     return f"{function} ({path}:{line})"
 
 

@@ -387,7 +387,7 @@ class Config:
         c3, t3 = time.thread_time(), time.perf_counter()
         if isinstance(self.scheduler, ArtifactSchedulerConnector) and self.name == "ours":
             running = [r for r, rows in zip(sampled, taken, strict=True) if not r.is_finished()]
-            assert all(r.request_id in self.scheduler._held_rows for r in running)
+            assert all(r.request_id in self.scheduler._held.slots for r in running)
         else:
             assert all(rows is not None and len(rows) for rows in taken), "every request has rows"
         for request in stopped:  # vLLM frees them; request_finished runs in the next step
@@ -440,7 +440,7 @@ class PerStepRowsScheduler(ArtifactSchedulerConnector):
 
     def build_connector_meta(self, scheduler_output: Any, requests: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output, requests)
-        self._held_rows.clear()
+        self._hold_pending.clear()
         return meta
 
 

@@ -161,18 +161,26 @@ class StepResult:
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_rows_by_id": None}  # rebuilt lazily on the other side
 
-    def rows_by_id(self) -> dict[str, tuple[int, np.ndarray]]:
-        """Every request's ``(token_start, rows)`` this step (failed ones excluded)."""
+    def rows_by_id(self, decode: list[int] | None = None) -> dict[str, tuple[int, np.ndarray]]:
+        """Every request's ``(token_start, rows)`` this step (failed ones excluded); with
+        ``decode``, of the decode columns only those at these positions."""
         rows_by_id = self._rows_by_id
-        if rows_by_id is None:
-            rows_by_id = self._rows_by_id = {
-                rid: entry for rid, entry in self.entries.items() if isinstance(entry, EmittedRows)
-            }
-            if self.decode_ids:
-                if self.decode_rows is None:
-                    raise InternalError("a step result names decode requests but has no rows")
-                views = zip(self.decode_token_starts, self.decode_rows[:, None], strict=True)
+        if rows_by_id is not None and decode is None:
+            return rows_by_id
+        rows_by_id = {
+            rid: entry for rid, entry in self.entries.items() if isinstance(entry, EmittedRows)
+        }
+        if self.decode_ids:
+            rows = self.decode_rows
+            if rows is None:
+                raise InternalError("a step result names decode requests but has no rows")
+            if decode is None:
+                views = zip(self.decode_token_starts, rows[:, None], strict=True)
                 rows_by_id.update(zip(self.decode_ids, views, strict=True))
+                self._rows_by_id = rows_by_id
+            else:
+                ids, starts = self.decode_ids, self.decode_token_starts
+                rows_by_id.update((ids[i], (starts[i], rows[i : i + 1])) for i in decode)
         return rows_by_id
 
     def failures(self) -> dict[str, R3Failure]:

@@ -11,7 +11,7 @@ import numpy as np
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.contract import EmittedRows, StepResult
-from vllm_artifact.core.held_rows import JOIN_EVERY
+from vllm_artifact.core.held_rows import PAGE_ROWS
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 
@@ -75,27 +75,76 @@ def test_a_request_the_engine_ends_gets_its_prompt_rows_at_once_and_the_rest_at_
         assert running == [None] * 3
         assert last is not None and last[:, 0, 0].tolist() == [10 * s + index for s in (1, 2, 3, 4)]
     assert connector.take_late_failures() == {}
-    assert connector._held_rows == {}
+    assert len(connector._held) == 0 and not connector._hold_pending
 
 
-def test_a_long_held_request_keeps_a_bounded_number_of_step_arrays() -> None:
+def decode_step(requests: dict[str, Any], step: int) -> StepResult:
+    """One decode step of every request, column-wise as the worker sends steady decode: one
+    row each, at the request's last token (which vLLM then advances by one)."""
+    ids = list(requests)
+    starts = [requests[rid].num_tokens - 1 for rid in ids]
+    rows = np.stack([np.full((2, 2), (10 * step + i) % 251, np.uint8) for i in range(len(ids))])
+    for request in requests.values():
+        request.num_tokens += 1
+    return StepResult(decode_ids=ids, decode_token_starts=starts, decode_rows=rows)
+
+
+def test_decode_steps_of_held_and_per_step_requests_in_one_batch() -> None:
+    """A decode batch mixes held requests (their rows written for all of them at once) and
+    requests with a stop string (their row each step); each gets exactly its own rows."""
     connector = ArtifactSchedulerConnector()
-    request = fake_request("long")
-    schedule(connector, {"long": request})
-    steps = 10 * JOIN_EVERY + 5
-    for step in range(steps):
-        step_array = np.full((3, 2, 2), step % 251, np.uint8)  # the step's rows of 3 requests
-        result = StepResult(entries={"long": EmittedRows(step, step_array[1:2])})
-        request.num_tokens = step + 2
-        if step == steps - 1:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        rows = connector.take_output(request, result)
-        if step == 0:
-            assert rows is not None  # the first rows go out at once
-        elif step < steps - 1:
-            views = connector._held_rows["long"]._recent  # views of step arrays kept alive
-            assert rows is None and len(views) < JOIN_EVERY
-    assert rows is not None and rows[:, 0, 0].tolist() == [s % 251 for s in range(1, steps)]
+    requests = {
+        "held": fake_request("held"),
+        "stop": fake_request("stop", stop=["\n\n"]),
+        "late": fake_request("late"),
+    }
+    schedule(connector, requests)
+    prompt = StepResult(
+        entries={
+            rid: EmittedRows(0, np.full((4, 2, 2), 200 + i, np.uint8))
+            for i, rid in enumerate(requests)
+        }
+    )
+    for request in requests.values():
+        assert connector.take_output(request, prompt) is not None  # the prompt's, at once
+    steps = 3 * PAGE_ROWS + 5
+    for step in range(1, steps + 1):
+        result = decode_step(requests, step)
+        if step == steps:
+            requests["held"].status = RequestStatus.FINISHED_LENGTH_CAPPED
+        given = {rid: connector.take_output(request, result) for rid, request in requests.items()}
+        stop_rows = given["stop"]
+        assert stop_rows is not None and stop_rows[:, 0, 0].tolist() == [(10 * step + 1) % 251]
+        assert given["late"] is None
+        if step < steps:
+            assert given["held"] is None
+    rows = given["held"]
+    assert rows is not None
+    assert rows[:, 0, 0].tolist() == [(10 * step) % 251 for step in range(1, steps + 1)]
+    assert "held" not in connector._held and "late" in connector._held
+    late = requests["late"]
+    late.status = RequestStatus.FINISHED_STOPPED  # its last step brings several rows
+    two_rows = EmittedRows(late.num_tokens - 1, np.zeros((2, 2, 2), np.uint8))
+    last = StepResult(entries={"late": two_rows})
+    late.num_tokens += 2
+    rows = connector.take_output(late, last)
+    assert rows is not None and len(rows) == steps + 2
+    assert rows[:, 0, 0].tolist() == [(10 * s + 2) % 251 for s in range(1, steps + 1)] + [0, 0]
+    assert connector.take_late_failures() == {}
+
+
+def test_a_held_request_missing_a_row_fails_instead_of_answering_short() -> None:
+    connector = ArtifactSchedulerConnector()
+    requests = {"a": fake_request("a")}
+    schedule(connector, requests)
+    prompt = StepResult(entries={"a": EmittedRows(0, np.zeros((4, 2, 2), np.uint8))})
+    assert connector.take_output(requests["a"], prompt) is not None
+    connector.take_output(requests["a"], decode_step(requests, 1))
+    requests["a"].num_tokens += 1  # a step whose row never came
+    requests["a"].status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert connector.take_output(requests["a"], decode_step(requests, 3)) is None
+    failures = connector.take_late_failures()
+    assert list(failures) == ["a"] and "cover 2 of its tokens 4..6" in failures["a"].message
 
 
 def test_requests_the_frontend_can_end_get_their_rows_every_step() -> None:
@@ -122,10 +171,10 @@ def test_an_aborted_held_request_is_forgotten() -> None:
     step = StepResult(entries={"gone": EmittedRows(4, np.zeros((1, 2, 2), np.uint8))})
     requests["gone"].num_tokens = 6
     assert connector.take_output(requests["gone"], step) is None
-    assert len(connector._held_rows["gone"]._recent) == 1
+    assert connector._held.pages.in_use == 1
     requests["gone"].status = RequestStatus.FINISHED_ABORTED
     connector.request_finished(requests["gone"])
-    assert connector._held_rows == {}
+    assert len(connector._held) == 0 and connector._held.pages.in_use == 0
 
 
 def test_a_preempted_request_keeps_its_rows_and_resumes_where_it_stopped() -> None:
@@ -151,4 +200,28 @@ def test_a_preempted_request_keeps_its_rows_and_resumes_where_it_stopped() -> No
     rows = connector.take_output(request, after)
     assert rows is not None and rows[:, 0, 0].tolist() == [2] + [3] * 3
     connector.request_finished(request)
-    assert connector._held_rows == {}
+    assert len(connector._held) == 0 and not connector._hold_pending
+
+
+def test_a_step_whose_rows_cannot_be_held_fails_each_of_its_requests() -> None:
+    """A broken step output (decode rows of another shape than the rows held so far) fails
+    every request of that step, held or not, instead of serving any of them stale rows."""
+    connector = ArtifactSchedulerConnector()
+    requests = {"held": fake_request("held"), "stop": fake_request("stop", stop=["."])}
+    schedule(connector, requests)
+    prompt = StepResult(
+        entries={rid: EmittedRows(0, np.zeros((4, 2, 2), np.uint8)) for rid in requests}
+    )
+    for request in requests.values():
+        assert connector.take_output(request, prompt) is not None
+    connector.take_output(requests["held"], decode_step(requests, 1))
+    connector.take_output(requests["stop"], connector._step_output)
+    assert connector.take_late_failures() == {}
+    broken = decode_step(requests, 2)
+    broken.decode_rows = np.zeros((2, 3, 2), np.uint8)  # rows of another shape
+    assert [connector.take_output(r, broken) for r in requests.values()] == [None, None]
+    failures = connector.take_late_failures()
+    assert sorted(failures) == ["held", "stop"]
+    reason = "rows could not be sorted: held rows changed shape"
+    assert all(reason in failure.message for failure in failures.values())
+    assert connector.take_output(requests["stop"], decode_step(requests, 3)) is not None

@@ -30,8 +30,9 @@ worker reads it only then) and packs hashes only for requests that have new ones
 ``take_output`` reads the worker's column-wise :class:`~vllm_artifact.contract.StepResult`.
 When vLLM calls each method, and on which thread, is in :mod:`vllm_artifact.contract`.
 
-Everything here is O(new hashes + scheduled requests) per step (held rows are joined every
-16 steps); at a held request's end one copy of its generated tokens' rows.
+Everything here is O(new hashes + scheduled requests) per step (a decode step's held rows are
+written with a few numpy calls, ``core/held_rows.py``); at a held request's end one copy of its
+generated tokens' rows.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         self._kv_evicted: list[int] = []
         self._kv_cleared = False
         self._step_output: StepResult | None = None  # the step output take_output last saw
+        self._step_error: InternalError | None = None  # why that step's rows are unusable
         self._step_rows: dict[str, tuple[int, np.ndarray]] = {}
         # Keys-only handoff: request id -> keys of its KV blocks so far (made a step at a
         # time, so the request's end costs a few hashes, not one per block), and rank zero's
@@ -131,9 +133,10 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         # Keys-only requests that share a prompt prefix (the samples of one prompt, the turns
         # of a conversation) share its blocks' keys: made once on this thread, not per request.
         self._key_cache = KeyCache()
-        # Requests whose rows are held until their last step (module docstring): id -> the
-        # rows of their steps so far.
-        self._held_rows: dict[str, HeldRows] = {}
+        # Requests whose rows are held until their last step (module docstring): those whose
+        # first rows have not gone out yet, then the rows of their steps since.
+        self._hold_pending: set[str] = set()
+        self._held = HeldRows()
         # Requests whose rows could not be taken this step (a broken invariant of ours): the
         # scheduler fails them after vLLM's processing of the step (take_late_failures).
         self._late_failures: dict[str, R3Failure] = {}
@@ -172,7 +175,8 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         if request.is_finished():
             self._keys_requests.pop(request.request_id, None)
             self._keys_digests.pop(request.request_id, None)
-            self._held_rows.pop(request.request_id, None)  # aborted or failed: rows not sent
+            self._hold_pending.discard(request.request_id)  # aborted or failed: rows not sent
+            self._held.discard(request.request_id)
         super().request_finished(request)
 
     def _tail_hash(self, request: Any) -> TailBlock | None:
@@ -223,8 +227,13 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 extra_args = params.extra_args if params is not None else None
                 if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
                     self._keys_requests.setdefault(request_id, [])  # kept across preemption
-                elif params is not None and not params.stop and not request.resumable:
-                    self._held_rows.setdefault(request_id, HeldRows())  # kept across preemption
+                elif (
+                    params is not None
+                    and not params.stop
+                    and not request.resumable
+                    and request_id not in self._held.slots  # held rows survive preemption
+                ):
+                    self._hold_pending.add(request_id)
             if len(block_hashes) != num_sent:
                 hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
@@ -282,43 +291,44 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         try:  # (free unless it raises: no wrapper call on this per-request path)
             if output is not self._step_output:
                 self._new_step_output(output)
-            entry = self._step_rows.get(request.request_id)
-            if entry is None:  # no rows this step, or a keys-only request
-                keys = self._keys_requests.get(request.request_id)
+            if self._step_error is not None:
+                raise self._step_error
+            request_id = request.request_id
+            entry = self._step_rows.get(request_id)
+            if entry is None:  # no rows this step, held already (a decode step), or keys-only
+                if request_id in self._held.slots:
+                    return None if request.status is _RUNNING else self._held_end(request)
+                keys = self._keys_requests.get(request_id)
                 if keys is not None:
                     return self._keys_output(request, keys)
-                held = self._held_rows.get(request.request_id)
-                if held is None or request.status is _RUNNING:
-                    return None
-                return self._held_end(request, held)
+                return None
             token_start, step_rows = entry
             rows = (
                 step_rows  # usually every row
                 if request.num_tokens - 1 - token_start == len(step_rows)
                 else self._cut_rows(request, token_start, step_rows)
             )
-            held = self._held_rows.get(request.request_id)
-            if held is None:
-                return rows
-            # Held (module docstring): its first rows (the prompt's) go out at once, so that
-            # its end copies only its generated tokens' rows; the rest wait for its end.
-            if rows is not None:
-                if not held.first_out:
-                    held.first_out = True
-                    return rows
-                held.add(rows)
-            return None if request.status is _RUNNING else self._held_end(request, held)
+            if request_id in self._held.slots:
+                if rows is not None:
+                    self._held.add(request_id, token_start, rows)
+                return None if request.status is _RUNNING else self._held_end(request)
+            if rows is not None and request_id in self._hold_pending:
+                # Held (module docstring): its first rows (the prompt's) go out at once, so
+                # that its end copies only its generated tokens' rows; the rest wait for it.
+                self._hold_pending.discard(request_id)
+                if not request.is_finished():
+                    self._held.hold(request_id, token_start + len(rows))
+            return rows
         except Exception as error:
             self._late_failures[request.request_id] = _internal_failure(request, error)
             return None
 
-    def _held_end(self, request: Any, held: HeldRows) -> np.ndarray | None:
+    def _held_end(self, request: Any) -> np.ndarray | None:
         """A held request that is not running: at its end its held rows in one array; none
         while it waits (preempted, or a step of async scheduling that ran past it)."""
         if not request.is_finished():
             return None
-        del self._held_rows[request.request_id]
-        return held.take()
+        return self._held.take(request.request_id, request.num_tokens - 1)
 
     def take_late_failures(self) -> dict[str, R3Failure]:
         """Requests :meth:`take_output` could not serve this step (usually none)."""
@@ -335,8 +345,13 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 "StepResult (the worker connector is not ours)"
             )
         self._step_output = output
-        step_rows = {} if output is None else output.rows_by_id()
-        self._keys_rows = {}
+        self._step_rows = self._keys_rows = {}
+        self._step_error = None
+        try:
+            step_rows = {} if output is None else self._rows_not_held(output)
+        except Exception as error:  # every request of the step fails, none gets other rows
+            self._step_error = InternalError(f"the step's R3 rows could not be sorted: {error}")
+            raise self._step_error from error
         if self._keys_requests and not step_rows.keys().isdisjoint(self._keys_requests):
             self._keys_rows = {
                 rid: rows for rid, rows in step_rows.items() if rid in self._keys_requests
@@ -345,6 +360,18 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 rid: rows for rid, rows in step_rows.items() if rid not in self._keys_requests
             }
         self._step_rows = step_rows
+
+    def _rows_not_held(self, output: StepResult) -> dict[str, tuple[int, np.ndarray]]:
+        """The step's rows by request id, less the decode rows of held requests, which are
+        held here with a few numpy calls for all of them (``HeldRows.record_step``)."""
+        held = None
+        if output.decode_ids and output.decode_rows is not None:
+            held = self._held.record_step(
+                output.decode_ids, output.decode_token_starts, output.decode_rows
+            )
+        if held is None:
+            return output.rows_by_id()
+        return output.rows_by_id(decode=np.flatnonzero(~held).tolist())
 
     @staticmethod
     def _cut_rows(request: Any, token_start: int, rows: np.ndarray) -> np.ndarray | None:

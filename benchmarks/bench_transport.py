@@ -98,9 +98,13 @@ def _receiver(address: str, results: Any) -> None:
 
 
 def _round(
-    mode: str, socket: Any, requests: dict[str, Any], prompt: int, steps: int
+    connector: ArtifactSchedulerConnector,
+    mode: str,
+    socket: Any,
+    requests: dict[str, Any],
+    prompt: int,
+    steps: int,
 ) -> dict[str, float]:
-    connector = ArtifactSchedulerConnector()
     ids = list(requests)
     scheduled = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1))
     connector.build_connector_meta(scheduled, requests)  # type: ignore[arg-type]
@@ -171,11 +175,13 @@ def main() -> None:
         socket.bind(address)
         receiver.start()
         expected = args.requests * (args.prompt + args.steps)
+        # One connector per mode for the whole run, as an engine has one for its life.
+        connectors = {mode: ArtifactSchedulerConnector() for mode in MODES}
         for round_index in range(args.rounds):
             order = MODES[round_index % 3 :] + MODES[: round_index % 3]
             for mode in order:
                 requests = _requests(args.requests, args.prompt, mode == "per_step", round_index)
-                figures = _round(mode, socket, requests, args.prompt, args.steps)
+                figures = _round(connectors[mode], mode, socket, requests, args.prompt, args.steps)
                 frontend_s, rows = results.get(timeout=600)
                 if rows != (0 if mode == "off" else expected):
                     raise SystemExit(f"{mode}: the frontend joined {rows} rows, not {expected}")

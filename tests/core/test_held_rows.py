@@ -124,8 +124,9 @@ def test_rows_of_another_shape_are_refused() -> None:
 
 
 def test_the_pool_grows_keeping_rows_and_is_compacted_when_few_are_held() -> None:
-    """256 requests of two pages each make the pool grow several times; once few rows are
-    held it is compacted, and the rows still held come back whole from their new pages."""
+    """256 requests of two pages each make the pool grow several times; once few rows have
+    been held for a while it is compacted, and the rows still held come back whole from their
+    new pages."""
     held = HeldRows()
     requests = 256
     ids = [f"r{r}" for r in range(requests)]
@@ -142,6 +143,16 @@ def test_the_pool_grows_keeping_rows_and_is_compacted_when_few_are_held() -> Non
     for rid in ids[1:255]:
         if rid != ids[100]:
             held.discard(rid)
+    assert held.pages.in_use == 5 and held.pages.capacity == 8 * MIN_PAGES  # not yet
+    turns = 0
+    while held.pages.capacity > MIN_PAGES and turns < 4 * MIN_PAGES:
+        turns += 1  # short requests come and go: the load stays low
+        held.hold("short", 0)
+        held.add("short", 0, rows_of(9, 0, 2))
+        got = held.take("short", 2)
+        assert got is not None
+        np.testing.assert_array_equal(got, rows_of(9, 0, 2))
+    assert 2 * MIN_PAGES <= turns < 4 * MIN_PAGES, turns  # half the pool's size released
     assert held.pages.in_use == 5 and held.pages.capacity == MIN_PAGES
     # Two more rows into the partly written page, which moved.
     held.record_step([ids[255]], [2 * PAGE_ROWS + 3], row_of(255, 2 * PAGE_ROWS + 3))
@@ -151,6 +162,29 @@ def test_the_pool_grows_keeping_rows_and_is_compacted_when_few_are_held() -> Non
         assert got is not None
         np.testing.assert_array_equal(got, rows_of(request, 0, end))
     assert held.pages.in_use == 0
+
+
+def test_a_batch_that_ends_and_the_next_of_its_size_keep_the_pool_as_it_is() -> None:
+    """An RL rollout's batches: the pool grown for one is neither compacted when it ends nor
+    grown again, by copies, for the next one of the same size."""
+    held = HeldRows()
+    requests = 256
+    capacities = []
+    for batch in range(3):
+        ids = [f"b{batch}-{r}" for r in range(requests)]
+        for rid in ids:
+            held.hold(rid, 0)
+        for token in range(2 * PAGE_ROWS):
+            step_rows = np.concatenate([row_of(r + batch, token) for r in range(requests)])
+            held.record_step(ids, [token] * requests, step_rows)
+        capacities.append(held.pages.capacity)
+        for r, rid in enumerate(ids):
+            got = held.take(rid, 2 * PAGE_ROWS)
+            assert got is not None
+            np.testing.assert_array_equal(got, rows_of(r + batch, 0, 2 * PAGE_ROWS))
+        capacities.append(held.pages.capacity)
+    assert held.pages.in_use == 0
+    assert capacities == [2 * requests] * 6
 
 
 def test_holding_a_request_again_keeps_its_rows() -> None:

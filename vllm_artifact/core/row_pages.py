@@ -6,7 +6,10 @@ than rows of their own dtype, whose copies release the GIL and let the engine co
 Python threads (the store's publisher) take it in the middle of the scheduler's step.
 
 The pool doubles when full (copying what it holds, a few times in a process's life) and is
-compacted into a smaller one when a quarter of it is in use. Its memory is a ``bytearray``'s,
+compacted into a smaller one once it has stayed at a quarter or less in use while half its size
+in pages was released: a batch of requests that ends (an RL rollout's) and the next one of the
+same size keep the pool as it is, instead of shrinking and growing it again by copies; a
+server whose load fell gives the memory back. Its memory is a ``bytearray``'s,
 zeroed in small pages when the pool is made: for arrays of 4 MiB and more numpy asks the kernel
 for huge pages, and the scattered first writes into a fresh pool then fault in and zero 2 MiB
 each (0.2 s for 256 rows into a fresh 30 MB array on a 2-vCPU VM, on the scheduler thread).
@@ -35,6 +38,7 @@ class RowPages:
         self._rows = np.zeros(0, np.uint8)  # one void item per row, page after page
         self._tokens = np.zeros(0, np.int64)  # each row's token
         self._free: list[int] = []  # a stack; the lowest page on top after a resize
+        self._released_while_low = 0  # pages released since more than a quarter was in use
 
     @property
     def capacity(self) -> int:
@@ -46,8 +50,14 @@ class RowPages:
 
     @property
     def should_compact(self) -> bool:
-        """A quarter or less of a pool bigger than :data:`MIN_PAGES` is in use."""
-        return self.capacity > MIN_PAGES and 4 * self.in_use <= self.capacity
+        """A quarter or less of a pool bigger than :data:`MIN_PAGES` is in use, and half its
+        size in pages was released since more was (module docstring)."""
+        capacity = self.capacity
+        return (
+            capacity > MIN_PAGES
+            and 4 * self.in_use <= capacity
+            and 2 * self._released_while_low >= capacity
+        )
 
     def items(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` as one item each (a view when they are contiguous); they must have the
@@ -69,10 +79,14 @@ class RowPages:
         free = self._free
         taken = free[-count:]
         del free[-count:]
+        if 4 * self.in_use > self.capacity:
+            self._released_while_low = 0
         return taken
 
     def release(self, pages: list[int]) -> None:
         self._free.extend(pages)
+        if 4 * self.in_use <= self.capacity:
+            self._released_while_low += len(pages)
 
     def compact(self, live: list[int]) -> list[int]:
         """Move the ``live`` pages (every page in use) to the front of a pool of twice their
@@ -126,6 +140,7 @@ class RowPages:
             tokens[: kept * size] = self._tokens.reshape(-1, size)[live].reshape(-1)
             self._free = []
         self._rows, self._tokens = rows, tokens
+        self._released_while_low = 0
         self._free.extend(range(capacity - 1, kept - 1, -1))
 
 

@@ -25,6 +25,7 @@ from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
 from vllm_artifact.client import reader as client_reader
+from vllm_artifact.core.row_assembly import ArrivingRows
 from vllm_artifact.errors import CapacityError, WeightVersionError
 from vllm_artifact.integration.hooks import terminal_output
 from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
@@ -113,15 +114,19 @@ def test_rows_reach_the_frontend_in_two_parts_unless_a_stop_string_can_end_the_r
 ) -> None:
     """The engine sends the prompt's rows of a request it ends itself at once and holds the
     rest until its end; a request with stop strings (the frontend matches them, and may end
-    it before the engine does) gets them step by step. Both equal the oracle."""
+    it before the engine does) gets them step by step. Both equal the oracle, and both were
+    joined as they arrived (no concatenation at the end)."""
     chunk_counts: list[int] = []
-    join = terminal_output.concatenate_into_npy
+    join = ArrivingRows.joined
 
-    def counting_join(chunks: Any) -> Any:
+    def counting_join(chunks: ArrivingRows) -> Any:
         chunk_counts.append(len(chunks))
-        return join(chunks)
+        joined = join(chunks)
+        assert joined is not None  # not the fallback
+        return joined
 
-    monkeypatch.setattr(terminal_output, "concatenate_into_npy", counting_join)
+    monkeypatch.setattr(ArrivingRows, "joined", counting_join)
+    monkeypatch.setattr(terminal_output, "concatenate_into_npy", None)  # never called
     held = llm_a.generate([LONG_PROMPT], GREEDY)[0]  # chunked prefill, then 11 decode steps
     assert chunk_counts == [2]  # the prompt's (and first token's) rows, then the rest
     assert_matches_oracle(model_a, held)

@@ -389,6 +389,7 @@ PATCHES: tuple[Patch, ...] = (
         hook="terminal_output",
         kind=Kind.WRAP,
         targets=(
+            f"{_STATE}.__init__",
             f"{_STATE}._new_completion_output",
             "vllm.utils.serial_utils.numpy2base64",
             *(f"{frontend}.serving.numpy2base64" for frontend in _FRONTENDS),
@@ -396,8 +397,12 @@ PATCHES: tuple[Patch, ...] = (
         ),
         why="vLLM encodes a finished request's R3 with np.save into a BytesIO, then base64 "
         "and decode (three passes over many MiB), and Starlette's json.dumps scans the "
-        "base64 again (22-39 ms for 19 MiB); keys handles need their own form.",
-        how="The per-step chunks are concatenated into the data part of a complete .npy, "
+        "base64 again (22-39 ms for 19 MiB); keys handles need their own form. vLLM "
+        "concatenates a request's chunks at its end, when many requests finish together on "
+        "the frontend's one output thread (the round's tail, the engine idle).",
+        how="RequestState's chunk list becomes an ArrivingRows (core/row_assembly.py) that "
+        "copies each chunk on arrival into the data part of a complete .npy; at the end "
+        "that file is used, or the chunks are concatenated into one, "
         "base64-encoded straight to str (the same text); the routers' JSON response joins "
         "that text into the rendered JSON (the same bytes); a transported keys handle "
         "becomes an R3Keys and its JSON text. Serving and router modules are patched when "
@@ -405,7 +410,8 @@ PATCHES: tuple[Patch, ...] = (
         upstream="vllm-project/vllm#33548 (merged) uses ORJSONResponse for embeddings; none "
         "for R3's encoding.",
         removal="numpy2base64 and _new_completion_output go with a copy-free .npy encoding "
-        "upstream; JSONResponse with a response class that does not rescan base64.",
+        "upstream, __init__ with rows joined on arrival upstream; JSONResponse with a "
+        "response class that does not rescan base64.",
     ),
     Patch(
         hook="early_import",

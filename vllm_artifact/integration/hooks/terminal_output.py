@@ -1,9 +1,12 @@
 """Hook: how a finished request's R3 leaves vLLM's frontend (keys handles, fast ``.npy``;
 registry: ``hooks/__init__.py``, hook ``terminal_output``).
 
-Three wraps, frontend process only. At a request's end its per-step R3 chunks are
-concatenated into the data part of a complete ``.npy`` file (the one copy vLLM's
-``np.concatenate`` made: :func:`vllm_artifact.core.npy.concatenate_into_npy`), and a
+Four wraps, frontend process only. A request's R3 chunks are copied on arrival into the data
+part of a complete ``.npy`` file (``RequestState``'s chunk list is an
+:class:`~vllm_artifact.core.row_assembly.ArrivingRows`), so that at its end they are joined
+already; where that list holds anything else they are concatenated then, into such a file (the
+one copy vLLM's ``np.concatenate`` made: :func:`vllm_artifact.core.npy.concatenate_into_npy`).
+A
 transported keys-only handle (``R3Keys.to_transport``: a small uint8 array, not rows) becomes
 an :class:`R3Keys` on the completion (offline users get it in ``outputs[i].routed_experts``).
 ``numpy2base64`` sends a handle as its JSON text and encodes an array with
@@ -35,6 +38,7 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64
+from vllm_artifact.core.row_assembly import RESERVE_ROWS_MAX, ArrivingRows
 from vllm_artifact.integration.hooks.after_import import patch_module
 from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.request_errors import record_failure
@@ -60,11 +64,30 @@ _ROUTER_MODULES = (
 )
 require_attributes(_HOOK, (RequestState, "_new_completion_output"))
 require(
+    "routed_experts_chunks" in RequestState.__init__.__code__.co_names,
+    _HOOK,
+    "RequestState.__init__ no longer sets routed_experts_chunks",
+)
+require(
     list(inspect.signature(RequestState._new_completion_output).parameters)[:4]
     == ["self", "token_ids", "finish_reason", "stop_reason"],
     _HOOK,
     "RequestState._new_completion_output's parameters changed",
 )
+
+
+def _wrap_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        chunks = getattr(self, "routed_experts_chunks", None)
+        if type(chunks) is list and not chunks:
+            # Rows to come: the prompt's and up to the token budget's (the last token has none)
+            budget = self.max_tokens_param if isinstance(self.max_tokens_param, int) else 0
+            prompt = self.prompt_len if isinstance(self.prompt_len, int) else 0
+            self.routed_experts_chunks = ArrivingRows(prompt + min(budget, RESERVE_ROWS_MAX))
+
+    return __init__
 
 
 def _wrap_new_completion_output(original: Any) -> Any:
@@ -110,7 +133,9 @@ def _finished_output(
     """A finished request's output, its R3 chunks joined into a ``.npy`` (or its keys
     handle made an :class:`R3Keys`)."""
     chunks = self.routed_experts_chunks
-    merged = concatenate_into_npy(chunks)
+    merged = chunks.joined() if isinstance(chunks, ArrivingRows) else None
+    if merged is None:
+        merged = concatenate_into_npy(chunks)
     if merged is None:
         output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
     else:
@@ -174,6 +199,7 @@ def _install_numpy2base64(serving: ModuleType) -> None:
 
 
 def install() -> None:
+    wrap_once(RequestState, "__init__", _wrap_init)
     wrap_once(RequestState, "_new_completion_output", _wrap_new_completion_output)
     wrap_once(serial_utils, "numpy2base64", _wrap_numpy2base64)
     for name in _SERVING_MODULES:

@@ -1,0 +1,97 @@
+"""A request's R3 chunks copied on arrival join into exactly the ``.npy`` that concatenating
+them at the end gives; anything else in vLLM's list falls back to that concatenation."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64, npy_file_of
+from vllm_artifact.core.row_assembly import ArrivingRows
+
+ROW = (5, 3)
+
+
+def chunk(first: int, rows: int, dtype: type = np.uint8) -> np.ndarray:
+    values = np.arange(first * 15, (first + rows) * 15) % 251
+    return values.astype(dtype).reshape(rows, *ROW)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    with io.BytesIO() as fp:
+        np.save(fp, array, allow_pickle=False)
+        return fp.getvalue()
+
+
+@pytest.mark.parametrize("reserve", [0, 3, 40, 5000])
+def test_chunks_join_into_the_npy_of_their_concatenation(reserve: int) -> None:
+    """A prompt in two prefill chunks, decode rows one by one (the file grows past any
+    reserve) and a held chunk at the end."""
+    arriving = ArrivingRows(reserve_rows=reserve)
+    chunks = [chunk(0, 7), chunk(7, 4)] + [chunk(11 + i, 1) for i in range(30)] + [chunk(41, 9)]
+    for c in chunks:
+        arriving.append(c)
+    assert list(arriving) == chunks  # vLLM's list is what it was
+    joined = arriving.joined()
+    assert joined is not None
+    expected = np.concatenate(chunks)
+    np.testing.assert_array_equal(joined, expected)
+    file = npy_file_of(joined)
+    assert file is not None and file.tobytes() == npy_bytes(expected)
+    assert encode_npy_base64(joined) == encode_npy_base64(expected)
+    assert file.nbytes == len(npy_bytes(expected))  # shrunk to its rows
+    for c in chunks:  # copies: the chunks' memory is not the file's
+        assert not np.shares_memory(c, joined)
+
+
+def test_the_stop_string_trim_of_the_last_chunk_is_followed() -> None:
+    """vLLM replaces the last chunk with a shorter one when a stop string ends a request
+    inside a step of several tokens."""
+    arriving = ArrivingRows(reserve_rows=8)
+    first, last = chunk(0, 6), chunk(6, 5)
+    arriving.append(first)
+    arriving.append(last)
+    arriving[-1] = last[:2]
+    joined = arriving.joined()
+    assert joined is not None
+    np.testing.assert_array_equal(joined, np.concatenate([first, last[:2]]))
+    assert npy_file_of(joined) is not None
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda a: a.append(chunk(9, 2, np.uint16)),  # another dtype
+        lambda a: a.append(np.zeros((2, 4, 3), np.uint8)),  # another row shape
+        lambda a: a.append([[1]]),  # not an array
+        lambda a: a.insert(0, chunk(9, 2)),  # a list change not followed
+        lambda a: a.__setitem__(0, chunk(9, 2)),  # not the last chunk
+        lambda a: (a.clear(), a.append(chunk(9, 2))),
+        lambda a: a.reverse(),  # the same chunks in another order
+    ],
+)
+def test_a_list_that_is_not_the_chunks_copied_falls_back(spoil: object) -> None:
+    arriving = ArrivingRows()
+    arriving.append(chunk(0, 3))
+    arriving.append(chunk(3, 2))
+    spoil(arriving)  # type: ignore[operator]
+    assert arriving.joined() is None
+
+
+def test_after_its_end_a_resumable_request_falls_back_to_concatenating_everything() -> None:
+    arriving = ArrivingRows()
+    arriving.append(chunk(0, 3))
+    first_end = arriving.joined()
+    assert first_end is not None
+    arriving.append(chunk(3, 2))
+    assert arriving.joined() is None
+    joined = concatenate_into_npy(arriving)
+    assert joined is not None
+    np.testing.assert_array_equal(joined, np.concatenate([chunk(0, 3), chunk(3, 2)]))
+    np.testing.assert_array_equal(first_end, chunk(0, 3))  # the first end's rows kept
+
+
+def test_an_empty_list_joins_to_none() -> None:
+    assert ArrivingRows(reserve_rows=10).joined() is None

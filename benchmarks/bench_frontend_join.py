@@ -52,14 +52,14 @@ def _round(arriving: bool, requests: int, kept: list[Any]) -> tuple[float, float
     held = rng.integers(0, 256, (requests, DECODE, LAYERS, TOP_K), np.uint8)
     faults = _faults()
     started = time.perf_counter()
-    results = []
+    results: list[np.ndarray | None] = []
     for i, chunks in enumerate(chunk_lists):
         chunks.append(held[i])
         joined = chunks.joined() if arriving else None
         results.append(joined if joined is not None else concatenate_into_npy(chunks))
     end = time.perf_counter() - started
     faults = _faults() - faults
-    if any(len(r) != PROMPT + DECODE for r in results):
+    if any(r is None or len(r) != PROMPT + DECODE for r in results):
         raise SystemExit("wrong row count")
     kept.append(results)
     del kept[:-2]

@@ -26,7 +26,7 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from vllm_artifact.core.npy import npy_header
+from vllm_artifact.core.npy import empty_npy_file, npy_header
 
 __all__ = ["RESERVE_ROWS_MAX", "ArrivingRows"]
 
@@ -52,8 +52,7 @@ class ArrivingRows(list):
 
     def append(self, chunk: Any) -> None:
         super().append(chunk)
-        if self._sources is not None:
-            self._copy(chunk)
+        self._copy(chunk)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         super().__setitem__(index, value)
@@ -131,9 +130,10 @@ class ArrivingRows(list):
     def _start(self, chunk: np.ndarray) -> None:
         """A file for ``chunk``'s rows and the reserve, header space first."""
         self._dtype, self._row_shape = chunk.dtype, chunk.shape[1:]
-        capacity_rows = max(len(chunk), self._reserve)
-        header = npy_header((capacity_rows, *self._row_shape), self._dtype)
-        if header is None:
+        made = empty_npy_file((max(len(chunk), self._reserve), *self._row_shape), self._dtype)
+        if made is None:
             return
-        self._header_nbytes = len(header)
-        self._file = np.empty(len(header) + capacity_rows * self._row_nbytes, dtype=np.uint8)
+        file, data = made
+        self._header_nbytes = file.nbytes - data.nbytes
+        del data  # no view of the file outlives this call
+        self._file = file

@@ -6,8 +6,7 @@ part of a complete ``.npy`` file (``RequestState``'s chunk list is an
 :class:`~vllm_artifact.core.row_assembly.ArrivingRows`), so that at its end they are joined
 already; where that list holds anything else they are concatenated then, into such a file (the
 one copy vLLM's ``np.concatenate`` made: :func:`vllm_artifact.core.npy.concatenate_into_npy`).
-A
-transported keys-only handle (``R3Keys.to_transport``: a small uint8 array, not rows) becomes
+A transported keys-only handle (``R3Keys.to_transport``: a small uint8 array, not rows) becomes
 an :class:`R3Keys` on the completion (offline users get it in ``outputs[i].routed_experts``).
 ``numpy2base64`` sends a handle as its JSON text and encodes an array with
 :func:`vllm_artifact.core.npy.encode_npy_base64` (vLLM's text without its ``BytesIO`` and

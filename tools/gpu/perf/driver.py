@@ -208,9 +208,16 @@ class Engine:
 
 
 def profile(
-    engine: Engine, ready: dict[str, Any], out: Path, rate: int, native: bool, **command: Any
+    engine: Engine,
+    ready: dict[str, Any],
+    out: Path,
+    rate: int,
+    native: bool,
+    idle: bool,
+    **command: Any,
 ) -> dict[str, Any]:
-    """One round under py-spy (every thread of the frontend and of the engine core)."""
+    """One round under py-spy (every thread of the frontend and of the engine core); with
+    ``idle`` also the samples of threads off the CPU, to see where they wait."""
     pids = {
         "frontend": ready["pid"],
         **{f"engine{i}": p for i, p in enumerate(ready["engine_pids"])},
@@ -221,6 +228,7 @@ def profile(
                 "py-spy",
                 "record",
                 "--native" if native else "--nonblocking",  # native stacks pause the process
+                *(["--idle"] if idle else []),
                 "--threads",
                 "-r",
                 str(rate),
@@ -393,6 +401,11 @@ def main() -> int:
         action="store_true",
         help="py-spy with native (C/CUDA) frames: launch vs. waiting on the GPU",
     )
+    parser.add_argument(
+        "--spy-idle",
+        action="store_true",
+        help="py-spy keeps samples of waiting threads too (with --spy-native: what they wait on)",
+    )
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--deadline", type=float, default=540, help="stop rounds after (s)")
     parser.add_argument(
@@ -531,6 +544,7 @@ def main() -> int:
                         args.out,
                         args.rate,
                         args.spy_native,
+                        args.spy_idle,
                         cmd="run",
                         workload=workload,
                         seed=900_000 + w,

@@ -73,12 +73,13 @@ def thread_key(name: str) -> str:
     return re.sub(r":\d+$", "", name)
 
 
-def thread_cpu(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Median over runs of CPU seconds per (role, thread name), threads of one name summed."""
+def thread_cpu(runs: list[dict[str, Any]], field: str = "threads_cpu_s") -> dict[str, float]:
+    """Median over runs of ``field`` (CPU seconds, or voluntary switches) per (role, thread
+    name), threads of one name summed."""
     per_run = []
     for run in runs:
         sums: collections.Counter[str] = collections.Counter()
-        for role, threads in run["threads_cpu_s"].items():
+        for role, threads in run.get(field, {}).items():
             for name, seconds in threads.items():
                 sums[f"{role}/{thread_key(name)}"] += seconds
         per_run.append(sums)
@@ -172,7 +173,10 @@ def main() -> None:
                     tracked = statistics.median(x.get("tracked", 0) for x in rounds)
                     print(f"    {config:<7} {role:<8} {cells}; tracked {tracked:.0f}")
         if any(r.get("process") for r in timed if r["workload"] == workload):  # newer runs
-            print("  per round (median): page faults minor/major, context switches vol./invol.")
+            print(
+                "  per round (median): page faults minor/major; the main thread's context"
+                " switches vol./invol."
+            )
         for config in configs:
             rounds = [
                 r["process"]
@@ -196,6 +200,19 @@ def main() -> None:
             cells = "  ".join(f"{c} {cpu[c].get(key, 0.0):6.3f}" for c in configs)
             if max(cpu[c].get(key, 0.0) for c in configs) > 0.05:
                 print(f"    {key[:44]:<44} {cells}")
+        this = [r for r in timed if r["workload"] == workload]
+        if any(r.get("threads_voluntary_switches") for r in this):  # newer runs
+            print("  voluntary context switches per thread (median over rounds; above 50)")
+            waits = {
+                c: thread_cpu(
+                    [r for r in this if r["config"] == c], field="threads_voluntary_switches"
+                )
+                for c in configs
+            }
+            for key in sorted({k for c in waits.values() for k in c}):
+                cells = "  ".join(f"{c} {waits[c].get(key, 0):6.0f}" for c in configs)
+                if max(waits[c].get(key, 0) for c in configs) > 50:
+                    print(f"    {key[:44]:<44} {cells}")
         for config in configs:
             store = [
                 r["store"]

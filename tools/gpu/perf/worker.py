@@ -73,6 +73,23 @@ def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
     return out
 
 
+def thread_waits(pid: int, names: dict[int, str]) -> dict[str, int]:
+    """Voluntary context switches of each thread of ``pid``, keyed as :func:`thread_cpu`: each
+    one is the thread blocking (on the GIL, a lock, the GPU, a socket), so against the same
+    thread's CPU time they say whether a slower thread computes more or waits more."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                name = names.get(int(tid)) or (
+                    Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                )
+                switches = status.split("voluntary_ctxt_switches:")[1].split()[0]
+                out[f"{name}:{tid}"] = int(switches)
+    return out
+
+
 def gc_totals(_: Any = None) -> dict[str, float]:
     """Cyclic-GC collections and seconds per generation so far in this process (a callback
     installed on first call), and the objects the collector tracks now."""
@@ -262,8 +279,10 @@ def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
 
 
 def process_counters(pid: int) -> dict[str, int]:
-    """Page faults (minor, major) and context switches (voluntary, involuntary) of a process
-    so far: fresh memory touched, and threads handing the GIL or the CPU over."""
+    """Page faults (minor, major) of a process and context switches (voluntary, involuntary)
+    of its main thread so far (``/proc/PID/status`` counts the main thread's only; every
+    thread's are in :func:`thread_waits`): fresh memory touched, and the main thread blocking
+    or losing its CPU."""
     import psutil
 
     with contextlib.suppress(OSError, psutil.Error):
@@ -415,12 +434,14 @@ class Worker:
         gc0 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
         proc0 = {pid: process_counters(pid) for pid in pids}
+        waits0 = {pid: thread_waits(pid, names) for pid in pids}
         self.steps = []
         started = time.perf_counter()
         outputs = self.generate(prompts, max_tokens)
         seconds = time.perf_counter() - started
         cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
         proc1 = {pid: process_counters(pid) for pid in pids}
+        waits1 = {pid: thread_waits(pid, names) for pid in pids}
         gc1 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         timers = self.read_step_timers()
         after = counters(self.llm)
@@ -469,6 +490,14 @@ class Worker:
             "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,
+            "threads_voluntary_switches": {
+                "frontend" if pid == os.getpid() else f"engine{i}": {
+                    name: waits1[pid][name] - waits0[pid].get(name, 0)
+                    for name in waits1[pid]
+                    if waits1[pid][name] > waits0[pid].get(name, 0)
+                }
+                for i, pid in enumerate(pids)
+            },
             "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
             "step_timers": timers,
             "process": {

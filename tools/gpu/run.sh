@@ -85,6 +85,9 @@ for phase in "$@"; do
         perf)  # off / vLLM's own / ours side by side, bf16, full CUDA graphs (tools/gpu/perf)
             # the driver writes into $OUT as it goes: a run cut short still brings its rounds back
             python3 tools/gpu/perf/floor.py | tee "$OUT/perf-floor.txt"
+            # PERF_TIMEOUT (s) interrupts the driver, profiled rounds included, so that the tar
+            # below still runs within the call's limit (at most 8 files come back untarred).
+            timeout -k 20 -s INT "${PERF_TIMEOUT:-0}" \
             python3 tools/gpu/perf/driver.py --out "$OUT/perf" --rounds "${PERF_ROUNDS:-5}" \
                 --deadline "${PERF_DEADLINE:-420}" ${PERF_FLAGS:-} 2>&1 | grep --line-buffered -v " INFO " \
                 | tee "$OUT/perf.txt" || status=1

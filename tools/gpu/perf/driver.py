@@ -402,6 +402,11 @@ def main() -> int:
         help="py-spy with native (C/CUDA) frames: launch vs. waiting on the GPU",
     )
     parser.add_argument(
+        "--profile-configs",
+        default="",
+        help="the configurations --profile records (default: all), e.g. off,ours",
+    )
+    parser.add_argument(
         "--spy-idle",
         action="store_true",
         help="py-spy keeps samples of waiting threads too (with --spy-native: what they wait on)",
@@ -536,8 +541,9 @@ def main() -> int:
                         flush=True,
                     )
         if args.profile:
+            profiled = args.profile_configs.split(",") if args.profile_configs else configs
             for w, workload in enumerate(workloads):
-                for config in configs:
+                for config in (c for c in configs if c in profiled):
                     res = profile(
                         engines[config],
                         ready[config],

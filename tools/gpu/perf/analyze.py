@@ -73,7 +73,7 @@ def thread_key(name: str) -> str:
     return re.sub(r":\d+$", "", name)
 
 
-def thread_cpu(runs: list[dict[str, Any]], field: str = "threads_cpu_s") -> dict[str, float]:
+def per_thread_median(runs: list[dict[str, Any]], field: str = "threads_cpu_s") -> dict[str, float]:
     """Median over runs of ``field`` (CPU seconds, or voluntary switches) per (role, thread
     name), threads of one name summed."""
     per_run = []
@@ -193,7 +193,9 @@ def main() -> None:
                     print(f"    {config:<7} {role:<9} {cells}")
         print("  CPU seconds per thread (median over rounds; threads above 0.05 s)")
         cpu = {
-            c: thread_cpu([r for r in timed if r["workload"] == workload and r["config"] == c])
+            c: per_thread_median(
+                [r for r in timed if r["workload"] == workload and r["config"] == c]
+            )
             for c in configs
         }
         for key in sorted({k for c in cpu.values() for k in c}):
@@ -204,7 +206,7 @@ def main() -> None:
         if any(r.get("threads_voluntary_switches") for r in this):  # newer runs
             print("  voluntary context switches per thread (median over rounds; above 50)")
             waits = {
-                c: thread_cpu(
+                c: per_thread_median(
                     [r for r in this if r["config"] == c], field="threads_voluntary_switches"
                 )
                 for c in configs

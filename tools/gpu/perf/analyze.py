@@ -74,8 +74,8 @@ def thread_key(name: str) -> str:
 
 
 def per_thread_median(runs: list[dict[str, Any]], field: str = "threads_cpu_s") -> dict[str, float]:
-    """Median over runs of ``field`` (CPU seconds, or voluntary switches) per (role, thread
-    name), threads of one name summed."""
+    """Median over runs of ``field`` (CPU seconds, voluntary switches or page faults) per
+    (role, thread name), threads of one name summed."""
     per_run = []
     for run in runs:
         sums: collections.Counter[str] = collections.Counter()
@@ -203,17 +203,20 @@ def main() -> None:
             if max(cpu[c].get(key, 0.0) for c in configs) > 0.05:
                 print(f"    {key[:44]:<44} {cells}")
         this = [r for r in timed if r["workload"] == workload]
-        if any(r.get("threads_voluntary_switches") for r in this):  # newer runs
-            print("  voluntary context switches per thread (median over rounds; above 50)")
-            waits = {
-                c: per_thread_median(
-                    [r for r in this if r["config"] == c], field="threads_voluntary_switches"
-                )
+        for field, what in (
+            ("threads_voluntary_switches", "voluntary context switches"),
+            ("threads_minor_faults", "minor page faults"),
+        ):
+            if not any(r.get(field) for r in this):  # older runs
+                continue
+            print(f"  {what} per thread (median over rounds; above 50)")
+            counts = {
+                c: per_thread_median([r for r in this if r["config"] == c], field=field)
                 for c in configs
             }
-            for key in sorted({k for c in waits.values() for k in c}):
-                cells = "  ".join(f"{c} {waits[c].get(key, 0):6.0f}" for c in configs)
-                if max(waits[c].get(key, 0) for c in configs) > 50:
+            for key in sorted({k for c in counts.values() for k in c}):
+                cells = "  ".join(f"{c} {counts[c].get(key, 0):6.0f}" for c in configs)
+                if max(counts[c].get(key, 0) for c in configs) > 50:
                     print(f"    {key[:44]:<44} {cells}")
         for config in configs:
             store = [

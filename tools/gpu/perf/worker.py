@@ -73,20 +73,22 @@ def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
     return out
 
 
-def thread_waits(pid: int, names: dict[int, str]) -> dict[str, int]:
-    """Voluntary context switches of each thread of ``pid``, keyed as :func:`thread_cpu`: each
-    one is the thread blocking (on the GIL, a lock, the GPU, a socket), so against the same
-    thread's CPU time they say whether a slower thread computes more or waits more."""
-    out: dict[str, int] = {}
+def thread_waits(pid: int, names: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Voluntary context switches and minor page faults of each thread of ``pid`` so far,
+    keyed as :func:`thread_cpu` under ``switches`` and ``faults``. A switch is the thread
+    blocking (on the GIL, a lock, the GPU, a socket), so against its CPU time it says whether a
+    slower thread computes more or waits more; faults say which thread touches fresh memory."""
+    out: dict[str, dict[str, int]] = {"switches": {}, "faults": {}}
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, ValueError):
-                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-                name = names.get(int(tid)) or (
-                    Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                )
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                task = f"/proc/{pid}/task/{tid}"
+                status = Path(f"{task}/status").read_text()
+                stat = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
+                name = names.get(int(tid)) or Path(f"{task}/comm").read_text().strip()
                 switches = status.split("voluntary_ctxt_switches:")[1].split()[0]
-                out[f"{name}:{tid}"] = int(switches)
+                out["switches"][f"{name}:{tid}"] = int(switches)
+                out["faults"][f"{name}:{tid}"] = int(stat[7])  # minflt, as process_counters
     return out
 
 
@@ -490,13 +492,19 @@ class Worker:
             "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,
-            "threads_voluntary_switches": {
-                "frontend" if pid == os.getpid() else f"engine{i}": {
-                    name: waits1[pid][name] - waits0[pid].get(name, 0)
-                    for name in waits1[pid]
-                    if waits1[pid][name] > waits0[pid].get(name, 0)
+            **{
+                field: {
+                    "frontend" if pid == os.getpid() else f"engine{i}": {
+                        name: count - waits0[pid][kind].get(name, 0)
+                        for name, count in waits1[pid][kind].items()
+                        if count > waits0[pid][kind].get(name, 0)
+                    }
+                    for i, pid in enumerate(pids)
                 }
-                for i, pid in enumerate(pids)
+                for kind, field in (
+                    ("switches", "threads_voluntary_switches"),
+                    ("faults", "threads_minor_faults"),
+                )
             },
             "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
             "step_timers": timers,

@@ -93,8 +93,32 @@ def load_profile(path: Path) -> list[tuple[str, list[str], int]]:
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
             thread, *frames = stack.split(";")
-            stacks.append((thread, [re.sub(r":\d+\)$", ")", f) for f in frames], int(count)))
+            # line numbers and native addresses (ASLR) differ between processes: drop both
+            frames = [re.sub(r"0x[0-9a-f]+", "0x?", re.sub(r":\d+\)$", ")", f)) for f in frames]
+            stacks.append((thread, frames, int(count)))
     return stacks
+
+
+def is_idle(stack: list[str]) -> bool:
+    """Waiting, by the innermost Python frames (with --native the leaves are libc's)."""
+    python = [f for f in stack if ".py)" in f]
+    return any(word in frame for frame in (stack[-2:] + python[-2:]) for word in IDLE)
+
+
+def native_library(frame: str) -> str:
+    """The shared library of a native frame ("libcuda"), or "python" for a Python frame."""
+    found = re.search(r"\((lib[A-Za-z0-9_+-]+|python[0-9.]*)[^)]*\)$", frame)
+    return found.group(1) if found else "python"
+
+
+def main_thread_libraries(path: Path) -> collections.Counter[str]:
+    """The engine main thread's busy samples by the library of the innermost frame: time in
+    ``libcuda`` is kernel launches and the driver's locks, ``python`` the interpreter."""
+    libraries: collections.Counter[str] = collections.Counter()
+    for thread, stack, n in load_profile(path):
+        if "MainThread" in thread and stack and not is_idle(stack):
+            libraries[native_library(stack[-1])] += n
+    return libraries
 
 
 def profile_summary(path: Path) -> tuple[dict[str, list[int]], collections.Counter[str]]:
@@ -103,7 +127,7 @@ def profile_summary(path: Path) -> tuple[dict[str, list[int]], collections.Count
     frames: collections.Counter[str] = collections.Counter()
     for thread, stack, n in load_profile(path):
         name = re.sub(r"\(?0x[0-9a-f]+\)?|\d+", "N", thread)
-        idle = any(word in frame for frame in stack[-2:] for word in IDLE)
+        idle = is_idle(stack)
         threads[name][0 if idle else 1] += n
         if not idle:
             for frame in set(stack):
@@ -111,12 +135,37 @@ def profile_summary(path: Path) -> tuple[dict[str, list[int]], collections.Count
     return threads, frames
 
 
+def print_waits(runs: list[dict[str, Any]], config: str) -> None:
+    """The engine main thread's states and waits (``--wait-sampler``), ms per round (median
+    over rounds of each round's share of samples times its length)."""
+    sampled = [r for r in runs if (r.get("main_thread_waits") or {}).get("samples")]
+    if not sampled:
+        return
+    for field in ("states", "syscalls", "futex_addresses", "wchan", "kernel_stacks"):
+        keys: collections.Counter[str] = collections.Counter()
+        for r in sampled:
+            keys.update(r["main_thread_waits"][field])
+        cells = []
+        for key, _ in keys.most_common(5):
+            ms = statistics.median(
+                1000
+                * r["seconds"]
+                * r["main_thread_waits"][field].get(key, 0)
+                / r["main_thread_waits"]["samples"]
+                for r in sampled
+            )
+            cells.append(f"{key[:70]} {ms:.0f}")
+        print(f"    {config:<7} {field}: " + "; ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
     parser.add_argument("--against", default="off")
     parser.add_argument("--frames", type=int, default=25)
-    parser.add_argument("--rate", type=int, default=250)
+    parser.add_argument(
+        "--rate", type=int, default=0, help="py-spy's samples a second (default: the run's)"
+    )
     args = parser.parse_args()
     folder = args.path
     if folder.suffix == ".tgz":
@@ -124,6 +173,7 @@ def main() -> None:
         with tarfile.open(args.path) as tar:
             tar.extractall(folder, filter="data")
     data = json.loads((folder / "results.json").read_text())
+    args.rate = args.rate or data.get("spy_rate", 250)
     timed = [r for r in data["results"] if not r.get("profiled")]
     if not timed:
         print("no timed rounds: the profiled round's figures (slowed by py-spy) follow")
@@ -142,6 +192,13 @@ def main() -> None:
                 f"{median_of(runs, 'last_step_ms'):.1f} ms, after it "
                 f"{median_of(runs, 'after_last_ms'):.1f} ms"
             )
+        if any((r.get("main_thread_waits") or {}).get("samples") for r in timed):
+            print("  engine main thread, ms per round (median) by state and, asleep, what on:")
+            for config in configs:
+                print_waits(
+                    [r for r in timed if r["workload"] == workload and r["config"] == config],
+                    config,
+                )
         print("  per round, median long step ms (the eager prefill-carrying steps): min/median/max")
         for config in configs:
             per_round = [
@@ -243,6 +300,15 @@ def main() -> None:
                         f"    {c:<7} {name[:60]:<60} busy {busy / args.rate:6.2f} "
                         f"idle {idle / args.rate:6.2f}"
                     )
+            if role == "engine core":
+                print("  py-spy engine main thread: busy seconds by the innermost frame's library")
+                libraries = {c: main_thread_libraries(p) for c, p in files.items() if p.exists()}
+                names = sorted({k for counts in libraries.values() for k in counts})
+                for name in sorted(names, key=lambda k: -sum(c[k] for c in libraries.values())):
+                    row = "  ".join(
+                        f"{c} {counts[name] / args.rate:6.2f}" for c, counts in libraries.items()
+                    )
+                    print(f"    {name:<28} {row}")
             if args.against in summaries:
                 base = summaries[args.against][1]
                 for c, (_, frames) in summaries.items():

@@ -392,6 +392,11 @@ def main() -> int:
         help="time the engine core main thread's scheduler and R3 connector calls per round",
     )
     parser.add_argument(
+        "--wait-sampler",
+        action="store_true",
+        help="in timed rounds, sample what the engine main thread waits on (waits.py)",
+    )
+    parser.add_argument(
         "--python-profile",
         action="store_true",
         help="one round per configuration under cProfile on the engine core's main thread",
@@ -470,6 +475,7 @@ def main() -> int:
                     "scale": scale,
                     "cpus": sorted(cpus) if cpus else None,
                     "concurrent": args.concurrent,
+                    "spy_rate": args.rate,  # py-spy samples a second: analyze.py's seconds
                     "ready": ready,
                     "results": results,
                 },
@@ -493,7 +499,12 @@ def main() -> int:
                 break
             for w, workload in enumerate(workloads):
                 order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
-                command = {"cmd": "run", "workload": workload, "seed": 1000 * rnd + w}
+                command = {
+                    "cmd": "run",
+                    "workload": workload,
+                    "seed": 1000 * rnd + w,
+                    "waits": args.wait_sampler,
+                }
                 # --concurrent: every configuration's round starts now and runs at once
                 sent = (
                     {c: engines[c].send(**command, scale=scale) for c in order}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from waits import WaitSampler  # beside this file (run as a script)
 
 TAG = "@@perf "
 
@@ -422,8 +423,9 @@ class Worker:
         self.llm.reset_prefix_cache()
         return {"warm_s": time.perf_counter() - started}
 
-    def run(self, workload: str, seed: int, scale: float) -> dict[str, Any]:
+    def run(self, workload: str, seed: int, scale: float, waits: bool = False) -> dict[str, Any]:
         prompts, max_tokens = workload_prompts(workload, seed, scale)
+        sampler = WaitSampler(self.engine_pids[0]) if waits and self.engine_pids else None
         self.llm.reset_prefix_cache()
         before_store = store_counts(self.llm) if self.base == "ours" else {}
         before = counters(self.llm)
@@ -438,9 +440,10 @@ class Worker:
         proc0 = {pid: process_counters(pid) for pid in pids}
         waits0 = {pid: thread_waits(pid, names) for pid in pids}
         self.steps = []
-        started = time.perf_counter()
-        outputs = self.generate(prompts, max_tokens)
-        seconds = time.perf_counter() - started
+        with sampler or contextlib.nullcontext():
+            started = time.perf_counter()
+            outputs = self.generate(prompts, max_tokens)
+            seconds = time.perf_counter() - started
         cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
         proc1 = {pid: process_counters(pid) for pid in pids}
         waits1 = {pid: thread_waits(pid, names) for pid in pids}
@@ -508,6 +511,7 @@ class Worker:
             },
             "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
             "step_timers": timers,
+            "main_thread_waits": sampler.result if sampler else {},
             "process": {
                 "frontend" if pid == os.getpid() else f"engine{i}": {
                     k: v - proc0[pid].get(k, 0) for k, v in proc1[pid].items()
@@ -585,7 +589,12 @@ def main() -> None:
             elif command["cmd"] == "run":
                 reply(
                     event="result",
-                    **worker.run(command["workload"], command["seed"], command["scale"]),
+                    **worker.run(
+                        command["workload"],
+                        command["seed"],
+                        command["scale"],
+                        command.get("waits", False),
+                    ),
                 )
             elif command["cmd"] == "torch_profile":
                 reply(

@@ -62,6 +62,25 @@ def open_or_none(path: str) -> int | None:
         return None
 
 
+def mapping_of(pid: int, addresses: list[str]) -> dict[str, str]:
+    """Each futex address's mapping in /proc/PID/maps: a lock in the interpreter's static data
+    (the GIL) names python's binary or libpython, a driver lock libcuda or an anonymous heap."""
+    named: dict[str, str] = {}
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return named
+    for address in addresses:
+        value = int(address, 16)
+        for line in maps:
+            span, *rest = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= value < high:
+                named[address] = (rest[4] if len(rest) > 4 else "[anonymous]").rsplit("/", 1)[-1]
+                break
+    return named
+
+
 def sample(pid: int, tid: int, stop_after: float) -> dict[str, object]:
     base = f"/proc/{pid}/task/{tid}"
     stat = os.open(f"{base}/stat", os.O_RDONLY)
@@ -107,12 +126,16 @@ def sample(pid: int, tid: int, stop_after: float) -> dict[str, object]:
                 stacks[" < ".join(frames[:4])] += 1
         time.sleep(0.0002)
     seconds = time.perf_counter() - started
+    top_futexes = [address for address, _ in futexes.most_common(6)]
+    mappings = mapping_of(pid, top_futexes)
     return {
         "samples": n,
         "seconds": round(seconds, 3),
         "states": dict(states),
         "syscalls": dict(calls.most_common(12)),
-        "futex_addresses": dict(futexes.most_common(6)),
+        "futex_addresses": {
+            f"{address} {mappings.get(address, '?')}": futexes[address] for address in top_futexes
+        },
         "wchan": dict(channels.most_common(12)),
         "kernel_stacks": dict(stacks.most_common(12)),
         "readable": {

@@ -274,6 +274,27 @@ def unbind_capture(worker: Any) -> int:
     return count
 
 
+def skip_copy(_: Any = None) -> str:
+    """Replace ours' per-step device-to-host copy of the captured rows by a zero array of the
+    same shape (an experiment: what the copy into pinned memory costs; R3 is wrong by design)."""
+    import numpy
+
+    from vllm_artifact.integration.worker_connector import PendingArtifactStep
+
+    zeros: dict[tuple[int, ...], Any] = {}
+
+    def enqueue_cpu_copy(self: Any, num_sampled: Any, num_rejected: Any) -> None:
+        self.num_sampled, self.num_rejected = num_sampled, num_rejected
+        shape = tuple(self.snapshot.shape)
+        if shape not in zeros:
+            dtype = str(self.snapshot.dtype).removeprefix("torch.")  # uint8 or uint16
+            zeros[shape] = numpy.zeros(shape, dtype=dtype)
+        self.rows = zeros[shape]
+
+    PendingArtifactStep.enqueue_cpu_copy = enqueue_cpu_copy  # type: ignore[method-assign]
+    return "copy skipped"
+
+
 def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         k: (v if k.endswith("max_s") or k in ("tracked", "frozen") else v - before.get(k, 0))
@@ -351,9 +372,9 @@ class Worker:
     ):
         self.config = config
         self.timers = timers  # step_timers in the engine core
-        # "ours+nocap": ours with vLLM's per-layer capture unbound after start-up (an
-        # experiment: what the capture itself costs; its R3 is wrong by design)
-        self.base, _, self.variant = config.partition("+")
+        # variants, experiments whose R3 is wrong by design: "ours+nocap", vLLM's per-layer
+        # capture unbound after start-up; "ours+nocopy", no device-to-host copy of the rows
+        self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root
         self.engine_args = engine_args
@@ -392,16 +413,19 @@ class Worker:
         unbound = None
         if self.timers:  # first: an unbound capture is not timed
             self.llm.collective_rpc(step_timers)
-        if self.variant == "nocap":
-            unbound = self.llm.collective_rpc(unbind_capture)
-        elif self.variant:
-            raise ValueError(f"unknown variant {self.variant!r}")
+        for variant in self.variants:
+            if variant == "nocap":
+                unbound = self.llm.collective_rpc(unbind_capture)
+            elif variant == "nocopy" and self.base == "ours":
+                unbound = self.llm.collective_rpc(skip_copy)
+            else:
+                raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {
             "startup_s": startup,
             "pid": os.getpid(),
             "engine_pids": self.engine_pids,
             "plugin_modules_loaded": len(plugins),
-            "capture_unbound": unbound,
+            "variants_applied": unbound,  # per rank: routers unbound, or "copy skipped"
             "kwargs": repr(kwargs),
         }
 

@@ -89,12 +89,26 @@ class PendingArtifactStep:
     rows: np.ndarray | None = None
     num_sampled: np.ndarray | None = None
     num_rejected: np.ndarray | None = None
+    #: ``rows`` lies in pinned host memory (torch's caching host allocator): a GPU copy.
+    pinned: bool = False
 
     def enqueue_cpu_copy(self, num_sampled: np.ndarray, num_rejected: np.ndarray) -> None:
         """Start the device-to-host copy (MRV2 calls this on its output copy stream)."""
         self.num_sampled = num_sampled
         self.num_rejected = num_rejected
+        self.pinned = self.snapshot.is_cuda
         self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
+
+    def take_rows(self) -> np.ndarray | None:
+        """The step's rows, in memory that is the caller's to keep. Views of them outlive the
+        step (a prompt's rows held across chunks, rows sent to the frontend), so a GPU copy's
+        pinned buffer is copied out and released here, on the step's thread: released on
+        another thread (the output socket's, pyzmq's garbage collector), torch records CUDA
+        events there, contending for the driver's lock with this thread's kernel launches."""
+        rows, self.rows = self.rows, None
+        if rows is not None and self.pinned:
+            rows = np.array(rows)  # the last reference to the pinned buffer goes with the view
+        return rows
 
     def process_output(self) -> StepResult:
         return self.connector.process_output(self)
@@ -339,7 +353,7 @@ class ArtifactWorkerConnector:
             return StepResult(entries=dict.fromkeys(pending.request_ids, failure))
 
     def _process_output(self, pending: PendingArtifactStep) -> StepResult:
-        rows, sampled, rejected = pending.rows, pending.num_sampled, pending.num_rejected
+        rows, sampled, rejected = pending.take_rows(), pending.num_sampled, pending.num_rejected
         if rows is None or sampled is None or rejected is None or self._tracker is None:
             raise InternalError("process_output ran before enqueue_cpu_copy")
         if rows.dtype != self._layout.dtype:  # only top-1 models with exactly 256 experts

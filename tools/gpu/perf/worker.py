@@ -295,6 +295,20 @@ def skip_copy(_: Any = None) -> str:
     return "copy skipped"
 
 
+def pinned_views(_: Any = None) -> str:
+    """Hand the step's rows on as views of the pinned host copy, as ours did before
+    ``take_rows`` copied them out (an experiment: what releasing that buffer on other threads
+    costs; R3 stays right)."""
+    from vllm_artifact.integration.worker_connector import PendingArtifactStep
+
+    def take_rows(self: Any) -> Any:
+        rows, self.rows = self.rows, None
+        return rows
+
+    PendingArtifactStep.take_rows = take_rows  # type: ignore[method-assign]
+    return "pinned views"
+
+
 def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         k: (v if k.endswith("max_s") or k in ("tracked", "frozen") else v - before.get(k, 0))
@@ -373,7 +387,8 @@ class Worker:
         self.config = config
         self.timers = timers  # step_timers in the engine core
         # variants, experiments whose R3 is wrong by design: "ours+nocap", vLLM's per-layer
-        # capture unbound after start-up; "ours+nocopy", no device-to-host copy of the rows
+        # capture unbound after start-up; "ours+nocopy", no device-to-host copy of the rows;
+        # "ours+pinnedviews", the rows handed on as views of the pinned copy (R3 right)
         self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root
@@ -418,6 +433,8 @@ class Worker:
                 unbound = self.llm.collective_rpc(unbind_capture)
             elif variant == "nocopy" and self.base == "ours":
                 unbound = self.llm.collective_rpc(skip_copy)
+            elif variant == "pinnedviews" and self.base == "ours":
+                unbound = self.llm.collective_rpc(pinned_views)
             else:
                 raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {

@@ -30,6 +30,7 @@ from vllm_artifact.contract import (
     StorageWorkerConnector,
     WorkerConnector,
 )
+from vllm_artifact.core.buffer import copy_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.publisher import BackgroundPublisher
@@ -107,7 +108,7 @@ class PendingArtifactStep:
         events there, contending for the driver's lock with this thread's kernel launches."""
         rows, self.rows = self.rows, None
         if rows is not None and self.pinned:
-            rows = np.array(rows)  # the last reference to the pinned buffer goes with the view
+            rows = copy_rows(rows)  # the last reference to the pinned buffer goes with the view
         return rows
 
     def process_output(self) -> StepResult:

@@ -257,7 +257,16 @@ def profile(
 
 
 #: the ratios reported, first over second ("ours+nocap" prices vLLM's capture itself)
-PAIRS = (("ours", "off"), ("native", "off"), ("ours", "native"), ("ours+nocap", "ours"))
+PAIRS = (
+    ("ours", "off"),
+    ("native", "off"),
+    ("ours", "native"),
+    ("ours+nocap", "ours"),
+    ("ours+nocopy", "ours"),
+    ("ours", "ours+pinnedviews"),
+)
+#: configurations whose R3 must be right (the other variants are experiments that break it)
+RIGHT_R3 = ("native", "ours", "ours+pinnedviews")
 
 
 def parse_cpus(spec: str) -> set[int] | None:
@@ -342,8 +351,7 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
         for seed in sorted({r["seed"] for r in rows}):
             same = {r["config"]: r for r in rows if r["seed"] == seed}
             tokens = {r["tokens_digest"] for r in same.values()}
-            # variants ("ours+nocap") are experiments whose R3 is not meant to be right
-            r3 = {c: r["r3_digest"] for c, r in same.items() if c in ("native", "ours")}
+            r3 = {c: r["r3_digest"] for c, r in same.items() if c in RIGHT_R3}
             missing = sum(r["r3_missing"] for r in same.values())
             same_tokens = "identical" if len(tokens) == 1 else "DIFFER"
             verdict = "identical" if len(set(r3.values())) <= 1 else "DIFFER"
@@ -354,7 +362,7 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
                 verdict += f" in {differ} of {len(ours)} requests"
             lines.append(
                 f"  round seed {seed}: tokens {same_tokens}"
-                f" across {sorted(same)}; R3 ours vs native {verdict}; missing R3 {missing}"
+                f" across {sorted(same)}; R3 of {sorted(r3)} {verdict}; missing R3 {missing}"
             )
     return "\n".join(lines)
 

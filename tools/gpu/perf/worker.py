@@ -296,9 +296,9 @@ def skip_copy(_: Any = None) -> str:
 
 
 def pinned_views(_: Any = None) -> str:
-    """Hand the step's rows on as views of the pinned host copy, as ours did before
-    ``take_rows`` copied them out (an experiment: what releasing that buffer on other threads
-    costs; R3 stays right)."""
+    """Hand the step's rows on as views of the pinned host copy, without ``take_rows``'
+    copy-out (an experiment: what releasing that buffer on other threads costs; R3 stays
+    right)."""
     from vllm_artifact.integration.worker_connector import PendingArtifactStep
 
     def take_rows(self: Any) -> Any:

@@ -425,16 +425,16 @@ class Worker:
             return outputs
 
         engine.step = timed_step
-        unbound = None
+        applied = None
         if self.timers:  # first: an unbound capture is not timed
             self.llm.collective_rpc(step_timers)
         for variant in self.variants:
             if variant == "nocap":
-                unbound = self.llm.collective_rpc(unbind_capture)
+                applied = self.llm.collective_rpc(unbind_capture)
             elif variant == "nocopy" and self.base == "ours":
-                unbound = self.llm.collective_rpc(skip_copy)
+                applied = self.llm.collective_rpc(skip_copy)
             elif variant == "pinnedviews" and self.base == "ours":
-                unbound = self.llm.collective_rpc(pinned_views)
+                applied = self.llm.collective_rpc(pinned_views)
             else:
                 raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {
@@ -442,7 +442,7 @@ class Worker:
             "pid": os.getpid(),
             "engine_pids": self.engine_pids,
             "plugin_modules_loaded": len(plugins),
-            "variants_applied": unbound,  # per rank: routers unbound, or "copy skipped"
+            "variants_applied": applied,  # per rank: routers unbound, or what the variant did
             "kwargs": repr(kwargs),
         }
 

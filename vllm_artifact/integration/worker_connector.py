@@ -102,10 +102,9 @@ class PendingArtifactStep:
 
     def take_rows(self) -> np.ndarray | None:
         """The step's rows, in memory that is the caller's to keep. Views of them outlive the
-        step (a prompt's rows held across chunks, rows sent to the frontend), so a GPU copy's
-        pinned buffer is copied out and released here, on the step's thread: released on
-        another thread (the output socket's, pyzmq's garbage collector), torch records CUDA
-        events there, contending for the driver's lock with this thread's kernel launches."""
+        step (a prompt's rows held across chunks, rows sent to the frontend) and would keep a
+        GPU copy's whole page-locked buffer alive with them, so that buffer is copied out and
+        released here: the pinned memory in use stays that of the steps in flight."""
         rows, self.rows = self.rows, None
         if rows is not None and self.pinned:
             rows = copy_rows(rows)  # the last reference to the pinned buffer goes with the view

@@ -5,8 +5,9 @@ Runs inside vLLM's Model Runner V2 (installed by ``hooks/worker_factory.py``) as
 ``close``; the pending step is a :class:`~vllm_artifact.contract.PendingStep`); when and on
 which thread MRV2 calls each is in :mod:`vllm_artifact.contract`.
 
-vLLM's ``RoutedExpertsCapturer`` writes each step's router top-k on every TP rank (capture joins
-TP collectives). On TP rank zero this module cuts each request's rows out of the step (dropping
+vLLM's ``RoutedExpertsCapturer`` (as :class:`~.capture.BatchedEagerCapturer`, which joins an
+eager step's layers once) takes each step's router top-k on every TP rank (capture joins TP
+collectives). On TP rank zero this module cuts each request's rows out of the step (dropping
 rejected draft tokens) and hands them, with the scheduler's facts, to the pure
 :class:`~vllm_artifact.core.tracker.RequestTracker`, which buffers, publishes (in the
 background) and emits rows, reading KV-cache hits from the /dev/shm store and failing single
@@ -41,6 +42,7 @@ from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.errors import InternalError
+from vllm_artifact.integration.capture import BatchedEagerCapturer, batching_applies
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.engine_store import (
     EngineStore,
@@ -86,7 +88,9 @@ class PendingArtifactStep:
     request_ids: list[str]
     token_starts: np.ndarray
     query_start_loc: np.ndarray
-    snapshot: torch.Tensor
+    snapshot: torch.Tensor | None
+    #: Why the step has no snapshot (its requests fail closed in process_output).
+    error: InternalError | None = None
     rows: np.ndarray | None = None
     num_sampled: np.ndarray | None = None
     num_rejected: np.ndarray | None = None
@@ -97,8 +101,9 @@ class PendingArtifactStep:
         """Start the device-to-host copy (MRV2 calls this on its output copy stream)."""
         self.num_sampled = num_sampled
         self.num_rejected = num_rejected
-        self.pinned = self.snapshot.is_cuda
-        self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
+        if self.snapshot is not None:
+            self.pinned = self.snapshot.is_cuda
+            self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
 
     def take_rows(self) -> np.ndarray | None:
         """The step's rows, in memory that is the caller's to keep. Views of them outlive the
@@ -123,16 +128,17 @@ class ArtifactWorkerConnector:
         """Bind the capturer (every rank); with ``kv_cache_config`` (vLLM 0.32) also open
         the output side, else vLLM 0.34 calls :meth:`initialize_output_storage` later."""
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-            RoutedExpertsCapturer,
             bind_routed_experts_capturer,
         )
 
         scheduler_config = vllm_config.scheduler_config
-        self._capturer = RoutedExpertsCapturer(
+        self._capturer = BatchedEagerCapturer(
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             vllm_config=vllm_config,
         )
         bind_routed_experts_capturer(model, self._capturer)
+        if batching_applies(vllm_config):
+            self._capturer.batch_eager_steps(len(moe_layer_ids(model)))
         self._model = model
         self._vllm_config = vllm_config
         self._lock = threading.Lock()  # MRV2's output thread and the step thread both call in
@@ -290,6 +296,7 @@ class ArtifactWorkerConnector:
     def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
         """Apply the scheduler's request, block-hash and finish updates for this step."""
         self._step_active = metadata is not None
+        self._capturer.step_started()
         tracker = self._tracker
         if tracker is None or metadata is None:
             return
@@ -326,12 +333,19 @@ class ArtifactWorkerConnector:
         self._step_active = False  # one prepare per begin_step (dummy runs get none)
         request_ids = list(input_batch.req_ids)
         query_start_loc = np.array(input_batch.query_start_loc_np[: len(request_ids) + 1])
+        snapshot, error = None, None
+        try:
+            snapshot = self._capturer.snapshot_routing_data(int(query_start_loc[-1]))
+        except InternalError as refused:  # the step's requests fail closed, the engine goes on
+            logger.error("vllm-artifact: the step's routed experts: %s", refused)
+            error = refused
         pending = PendingArtifactStep(
             connector=self,
             request_ids=request_ids,
             token_starts=np.array(input_batch.num_computed_tokens_np[: len(request_ids)]),
             query_start_loc=query_start_loc,
-            snapshot=self._capturer.snapshot_routing_data(int(query_start_loc[-1])),
+            snapshot=snapshot,
+            error=error,
         )
         with self._lock:
             self._tracker.step_started(request_ids)
@@ -353,6 +367,8 @@ class ArtifactWorkerConnector:
             return StepResult(entries=dict.fromkeys(pending.request_ids, failure))
 
     def _process_output(self, pending: PendingArtifactStep) -> StepResult:
+        if pending.error is not None:
+            raise pending.error
         rows, sampled, rejected = pending.take_rows(), pending.num_sampled, pending.num_rejected
         if rows is None or sampled is None or rejected is None or self._tracker is None:
             raise InternalError("process_output ran before enqueue_cpu_copy")

@@ -264,9 +264,10 @@ PAIRS = (
     ("ours+nocap", "ours"),
     ("ours+nocopy", "ours"),
     ("ours", "ours+pinnedviews"),
+    ("ours", "ours+perlayer"),
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
-RIGHT_R3 = ("native", "ours", "ours+pinnedviews")
+RIGHT_R3 = ("native", "ours", "ours+pinnedviews", "ours+perlayer")
 
 
 def parse_cpus(spec: str) -> set[int] | None:

@@ -309,6 +309,13 @@ def pinned_views(_: Any = None) -> str:
     return "pinned views"
 
 
+def per_layer_capture(worker: Any) -> str:
+    """Turn off ours' batched capture of eager steps: vLLM's per-layer copies instead (an
+    experiment: what batching saves; R3 stays right)."""
+    worker.model_runner.aux_output_connector._capturer._moe_layers = 0
+    return "per-layer capture"
+
+
 def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         k: (v if k.endswith("max_s") or k in ("tracked", "frozen") else v - before.get(k, 0))
@@ -388,7 +395,8 @@ class Worker:
         self.timers = timers  # step_timers in the engine core
         # variants, experiments whose R3 is wrong by design: "ours+nocap", vLLM's per-layer
         # capture unbound after start-up; "ours+nocopy", no device-to-host copy of the rows;
-        # "ours+pinnedviews", the rows handed on as views of the pinned copy (R3 right)
+        # "ours+pinnedviews", the rows handed on as views of the pinned copy; "ours+perlayer",
+        # vLLM's per-layer capture in eager steps instead of ours, batched (both: R3 right)
         self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root
@@ -435,6 +443,8 @@ class Worker:
                 applied = self.llm.collective_rpc(skip_copy)
             elif variant == "pinnedviews" and self.base == "ours":
                 applied = self.llm.collective_rpc(pinned_views)
+            elif variant == "perlayer" and self.base == "ours":
+                applied = self.llm.collective_rpc(per_layer_capture)
             else:
                 raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {

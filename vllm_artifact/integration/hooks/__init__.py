@@ -128,12 +128,33 @@ PATCHES: tuple[Patch, ...] = (
         "instead of vLLM's in-process AuxOutput worker connector.",
         how="The module global that GPUModelRunner.initialize_kv_cache calls (after KV "
         "sizing, before warm-up, with routed experts on) becomes a factory of the same "
-        "signature (checked at install) that returns ArtifactWorkerConnector; vLLM's "
-        "RoutedExpertsCapturer is used as is.",
+        "signature (checked at install) that returns ArtifactWorkerConnector, which binds "
+        "vLLM's routed-experts capture to the model through our subclass of "
+        "RoutedExpertsCapturer (below).",
         upstream="vllm-project/vllm#45635 (merged) added the AuxOutput connector with one "
         "built-in backend; no setting names an out-of-tree connector class.",
         removal="A connector-class setting upstream (as KV connectors have) makes this "
         "configuration.",
+    ),
+    Patch(
+        hook="capture",
+        kind=Kind.OVERRIDE,
+        targets=(
+            "vllm.model_executor.layers.fused_moe.routed_experts_capturer."
+            "RoutedExpertsCapturer.capture",
+            "vllm.model_executor.layers.fused_moe.routed_experts_capturer."
+            "RoutedExpertsCapturer.snapshot_routing_data",
+        ),
+        why="vLLM's capture copies each MoE layer's top-k ids into its device buffer as the "
+        "layer runs: free inside a CUDA graph, but in an eager step one copy launch per MoE "
+        "layer on the engine's main thread, which eager steps wait for.",
+        how="BatchedEagerCapturer (capture.py): outside graph capture, without data or "
+        "expert parallelism or EPLB, capture keeps a reference to the layer's top-k ids and "
+        "snapshot_routing_data joins them with one stack; otherwise, and after a graph "
+        "replay, both run vLLM's. A step whose captures do not add up fails its requests.",
+        upstream="None yet: worth proposing to vLLM (its own connector pays the same "
+        "per-layer copies in eager steps).",
+        removal="Drop the subclass once vLLM's capturer batches eager steps itself.",
     ),
     Patch(
         hook="scheduler",

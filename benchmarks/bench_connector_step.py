@@ -180,6 +180,9 @@ class StandInCapturer:
 
     rows: np.ndarray
 
+    def step_started(self) -> None:
+        pass
+
     def snapshot_routing_data(self, num_rows: int) -> torch.Tensor:
         return torch.from_numpy(self.rows[:num_rows])
 
@@ -657,9 +660,11 @@ def report(configs: list[Config]) -> None:
             if config.name == "ours" and decode:
                 verdict = f"  target <= {target} ms: {'PASS' if median <= target else 'MISS'}"
             mean = statistics.fmean(getattr(config, f"{side}_ms"))  # what throughput pays
+            wall_mean = statistics.fmean(getattr(config, f"{side}_wall_ms"))
             print(
                 f"  {side:<9} {config.name:<14} CPU median {median:6.3f} ms (p90 {p90:6.3f}, "
-                f"mean {mean:6.3f}), wall median {wall:6.3f} ms (p90 {wall_p90:6.3f}){verdict}"
+                f"mean {mean:6.3f}), wall median {wall:6.3f} ms (p90 {wall_p90:6.3f}, "
+                f"mean {wall_mean:6.3f}){verdict}"
             )
         ratio = medians[side, "ours"] / medians[side, "vLLM's own"]
         print(f"  {side:<9} ours / vLLM's own (CPU medians): {ratio:.2f}x")

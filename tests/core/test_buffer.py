@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_artifact.core import R3Layout, RequestRowBuffer
-from vllm_artifact.core.buffer import copy_blocks, copy_rows, gather_rows
+from vllm_artifact.core.buffer import (
+    copy_blocks,
+    copy_rows,
+    copy_rows_into,
+    gather_rows,
+    join_rows,
+)
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
 from .conftest import gil_releases
@@ -227,11 +233,13 @@ def test_copy_blocks_copies_and_keeps_the_gil(num_blocks: int) -> None:
     np.testing.assert_array_equal(strided, rows)
 
 
-def test_copy_rows_copies_a_decode_step_and_keeps_the_gil() -> None:
-    """The worker copies a GPU step's rows out of pinned memory on the step thread; for a
-    256-request decode step that copy keeps the GIL, where ``np.array`` releases it."""
+@pytest.mark.parametrize("num_rows", [1, 256, 500, 501, 2049, 8192])
+def test_copy_rows_copies_a_step_and_keeps_the_gil(num_rows: int) -> None:
+    """The worker copies a GPU step's rows out of pinned memory on the step thread: a
+    256-request decode step or an 8,192-token prefill step, a copy that keeps the GIL where
+    ``np.array`` releases it (more than 500 items)."""
     layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
-    rows = np.random.default_rng(3).integers(0, 256, (256, *layout.row_shape), dtype=np.uint8)
+    rows = np.random.default_rng(3).integers(0, 256, (num_rows, *layout.row_shape), dtype=np.uint8)
     # (The spinner catches a release only if it takes the GIL within it: a plain copy's short
     # release is caught when the machine is idle, so only the absence is asserted.)
     with gil_releases() as count:
@@ -242,3 +250,30 @@ def test_copy_rows_copies_a_decode_step_and_keeps_the_gil() -> None:
     assert releases == 0
     np.testing.assert_array_equal(copied, rows)
     assert not np.shares_memory(copied, rows)
+
+
+@pytest.mark.parametrize("sizes", [[513], [1536, 513], [8192, 1], [499, 2, 1000]])
+def test_copy_rows_into_and_join_rows_keep_the_gil(sizes: list[int]) -> None:
+    """Copies into part of a row array (a prompt's rows joined after its prefix hit) and
+    joins of parts, of any size, keep the GIL; a copy into a strided target is still right."""
+    layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
+    rng = np.random.default_rng(sum(sizes))
+    parts = [rng.integers(0, 256, (n, *layout.row_shape), dtype=np.uint8) for n in sizes]
+    out = layout.empty(sum(sizes) + 7)
+    with gil_releases() as count:
+        before = count[0]
+        for _ in range(20):
+            at = 7
+            for part in parts:
+                copy_rows_into(out[at : at + len(part)], part)
+                at += len(part)
+            joined = join_rows(parts)
+        releases = count[0] - before
+    assert releases == 0
+    np.testing.assert_array_equal(out[7:], np.concatenate(parts))
+    np.testing.assert_array_equal(joined, np.concatenate(parts))
+    strided = layout.empty(2 * sizes[0])[::2]
+    copy_rows_into(strided, parts[0])
+    np.testing.assert_array_equal(strided, parts[0])
+    with pytest.raises(ValueError, match="into"):
+        copy_rows_into(out[:1], parts[0][:2])

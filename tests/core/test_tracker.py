@@ -599,6 +599,57 @@ def test_steady_decode_steps_keep_the_gil(shm_root: str) -> None:
     store.close()
 
 
+def test_prefill_steps_with_prefix_hits_keep_the_gil(shm_root: str) -> None:
+    """8,192-token prefill steps of the GPU harness's shape (16 requests a step, each a
+    1,536-token prefix hit read from the store and 513 computed rows, DeepSeek-V3-sized
+    layout) never release the GIL: the computed rows are buffered, published and joined
+    with the hit's rows in copies of at most 500 items (``copy_rows_into``)."""
+    layout = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=BS)
+    hit_tokens, computed, per_step, steps = 96 * BS, 513, 16, 8
+    store = ShmStore.create_or_open_writer(shm_root, "gil", layout=layout, capacity_bytes=64 << 20)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, (hit_tokens + computed, 58, 8), dtype=np.uint8)
+    prefix = hashes("prefix", hit_tokens // BS)
+    publisher = BackgroundPublisher(store)
+    first = RequestTracker(
+        layout, "model", store, publisher, buffer_max_bytes=64 << 20, block_id=block_id
+    )
+    serve(first, "first", prefix, prompt[:hit_tokens])
+    publisher.flush()
+    publisher.close()
+    t = RequestTracker(
+        layout,
+        "model",
+        store,
+        _RecordingPublisher(),  # type: ignore[arg-type]
+        buffer_max_bytes=64 << 20,
+        block_id=block_id,
+    )
+    own = computed // BS
+    with gil_releases() as count:
+        releases = 0
+        for s in range(steps):
+            ids = [f"s{s}r{i}" for i in range(per_step)]
+            block_hashes = {rid: prefix + hashes(rid, own) for rid in ids}
+            batch = batch_of(
+                [StepRows(rid, hit_tokens, computed, prompt[hit_tokens:], True) for rid in ids]
+            )
+            before = count[0]
+            for rid in ids:
+                t.admit(rid, 0)
+            t.add_block_hashes(block_hashes)
+            t.step_started(ids)
+            result = t.step_finished(batch)
+            releases += count[0] - before
+            for rid in ids:
+                emitted = entry_of(result, rid)
+                assert isinstance(emitted, EmittedRows) and emitted.token_start == 0
+                np.testing.assert_array_equal(emitted.rows, prompt)
+                t.finish(rid)  # its buffer slot goes to a later request (no growth)
+    assert releases == 0
+    store.close()
+
+
 def test_a_keys_handles_objects_are_leased_then_released(shm_root: str, layout: R3Layout) -> None:
     """A finished keys-only request (``leased``) keeps its full blocks and its tail pinned for
     the lease, even after the KV cache evicted its blocks; another request's are not leased.

@@ -31,13 +31,16 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
 __all__ = [
+    "GIL_KEEPING_ITEMS",
     "CompletedBlocks",
     "FullBlocks",
     "RequestRowBuffer",
     "TailRows",
     "copy_blocks",
     "copy_rows",
+    "copy_rows_into",
     "gather_rows",
+    "join_rows",
 ]
 
 _NO_ROWS = -1  # ``end`` of a slot whose request has not appended yet
@@ -179,8 +182,9 @@ class RequestRowBuffer:
         if len(out):
             lo = first * bs
             held = max(start - lo, 0)  # rows of block ``first`` buffered by earlier calls
-            out[:held] = self._rows[slot, lo - block_start : start - block_start]
-            out[held:] = rows[lo + held - start : last * bs - start]
+            # Copies that keep the GIL (copy_rows_into): a prefill chunk's blocks are many.
+            copy_rows_into(out[:held], self._rows[slot, lo - block_start : start - block_start])
+            copy_rows_into(out[held:], rows[lo + held - start : last * bs - start])
         remainder = rows[new_block_start - start :]
         self._rows[slot, : len(remainder)] = remainder
         self._block_start[slot] = new_block_start
@@ -321,11 +325,57 @@ def _as_items(rows: np.ndarray, *, per_row: bool = True) -> np.ndarray:
     return rows.reshape(-1).view(_item_dtype(item_nbytes))
 
 
+#: numpy keeps the GIL in a copy or fancy indexing of at most this many items and releases it
+#: above (measured, numpy 2.3: 500 keep it, 501 release it); ``np.take`` always releases it.
+GIL_KEEPING_ITEMS = 500
+
+
 def copy_rows(rows: np.ndarray) -> np.ndarray:
-    """A fresh copy of a step's ``[tokens, layers, top_k]`` rows, moved as whole-row items:
-    ``np.array(rows)`` of a 256-request decode step's 119 KB releases the GIL (see
-    :func:`_as_items`)."""
-    return _from_items(_as_items(rows).copy(), rows)
+    """A fresh copy of ``[tokens, layers, top_k]`` rows that keeps the GIL (see
+    :func:`copy_rows_into`): ``np.array(rows)`` of a 256-request decode step's 119 KB
+    releases it."""
+    out = np.empty(rows.shape, rows.dtype)
+    copy_rows_into(out, rows)
+    return out
+
+
+def join_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(parts)`` of ``[tokens, layers, top_k]`` rows, keeping the GIL."""
+    if len(parts) == 1:
+        return parts[0]
+    out = np.empty((sum(len(part) for part in parts), *parts[0].shape[1:]), parts[0].dtype)
+    at = 0
+    for part in parts:
+        copy_rows_into(out[at : at + len(part)], part)
+        at += len(part)
+    return out
+
+
+def copy_rows_into(out: np.ndarray, rows: np.ndarray) -> None:
+    """``out[:] = rows`` for ``[tokens, layers, top_k]`` rows, moved as at most 500 items of
+    whole rows, so that the copy keeps the GIL at any size. A plain copy of more than 500
+    elements releases it, and on the engine's step thread a release hands the GIL to the
+    publisher thread, which may keep it for the interpreter's switch interval (5 ms): a wait
+    many times the copy's cost (see :func:`_as_items`)."""
+    if out.shape != rows.shape:
+        raise ValueError(f"copy_rows_into: {rows.shape} into {out.shape}")
+    n = len(rows)
+    if not n:
+        return
+    if not out.flags.c_contiguous:
+        out[:] = rows
+        return
+    rows = np.ascontiguousarray(rows)
+    per = -(-n // GIL_KEEPING_ITEMS)  # rows per item
+    whole = n - n % per
+    if whole:
+        shape = (whole // per, per, *rows.shape[1:])
+        items = _as_items(rows[:whole].reshape(shape), per_row=False)
+        _as_items(out[:whole].reshape(shape), per_row=False)[:] = items
+    if whole < n:  # the rest as one item
+        _as_items(out[whole:][None], per_row=False)[:] = _as_items(
+            rows[whole:][None], per_row=False
+        )
 
 
 def _from_items(items: np.ndarray, like: np.ndarray) -> np.ndarray:
@@ -334,6 +384,6 @@ def _from_items(items: np.ndarray, like: np.ndarray) -> np.ndarray:
     return items.view(like.dtype).reshape(len(items), *like.shape[1:])
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=64)
 def _item_dtype(item_nbytes: int) -> np.dtype[np.void]:
     return np.dtype((np.void, item_nbytes))

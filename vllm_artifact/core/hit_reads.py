@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_artifact.core.buffer import copy_blocks
+from vllm_artifact.core.buffer import copy_blocks, copy_rows_into
 from vllm_artifact.core.keys import Namespace, ObjectKey
 from vllm_artifact.core.publisher import BlockRun, PinChange
 from vllm_artifact.core.request_state import RequestState
@@ -85,7 +85,7 @@ class HitReads:
         else:
             blocks = self._layout.empty((last - first) * block_size)
             self._read_blocks(state, first, keys, blocks, namespace)
-            out[:] = blocks[start - first * block_size : end - first * block_size]
+            copy_rows_into(out, blocks[start - first * block_size : end - first * block_size])
         self.reads += last - first
 
     def _read_blocks(

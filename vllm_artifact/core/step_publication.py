@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from vllm_artifact.core.buffer import join_rows
 from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Lease, PinChange
 from vllm_artifact.core.request_state import RequestState
@@ -191,4 +192,4 @@ def _one_array(blocks: list[np.ndarray]) -> np.ndarray:
         row = base.strides[0]
         if end - start == len(blocks) * first.nbytes and start % row == 0:
             return base[start // row : end // row]
-    return np.concatenate(blocks)
+    return join_rows(blocks)

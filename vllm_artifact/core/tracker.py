@@ -26,7 +26,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 import numpy as np
 
 from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
-from vllm_artifact.core.buffer import RequestRowBuffer
+from vllm_artifact.core.buffer import RequestRowBuffer, copy_rows_into, join_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.hit_reads import HitReads, StepReads
 from vllm_artifact.core.keys import (
@@ -347,7 +347,7 @@ class RequestTracker:
         elif token_start < cursors.pending_start + state.pending_count:
             # Recomputed tokens replace what was captured before.
             keep = max(token_start - cursors.pending_start, 0)
-            merged = np.concatenate(state.pending) if state.pending else rows[:0]
+            merged = join_rows(state.pending) if state.pending else rows[:0]
             state.pending = [merged[:keep]]
             state.pending_count = keep
         state.pending.append(rows)
@@ -376,11 +376,11 @@ class RequestTracker:
             self._hits.read_span(state, emit_start, rows[:at], self.namespace, step_reads)
             for part in state.pending:
                 count = min(len(part), len(rows) - at)
-                rows[at : at + count] = part[:count]
+                copy_rows_into(rows[at : at + count], part[:count])  # keeps the GIL
                 at += count
         else:
             pending = state.pending
-            rows = pending[0] if len(pending) == 1 else np.concatenate(pending)
+            rows = join_rows(pending)
             rows = rows[emit_start - pending_start : token_end - pending_start]
         state.pending = []
         state.pending_count = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_artifact.core.buffer import GIL_KEEPING_ITEMS
 from vllm_artifact.core.envelope import HeaderWords, checksum
 from vllm_artifact.core.keys import ObjectKey, keys_to_words
 from vllm_artifact.core.schema import R3Layout
@@ -34,9 +35,6 @@ from vllm_artifact.errors import (
 __all__ = ["Located", "ScrubReport", "StoreReads", "check_read_target", "verify_copies"]
 
 _READ_ATTEMPTS = 4
-#: numpy keeps the GIL in fancy indexing of at most this many items and releases it above
-#: (measured, numpy 2.3: 500 slots keep it, 501 release it); ``np.take`` always releases it.
-_GIL_KEEPING_ITEMS = 500
 
 
 @dataclass(frozen=True)
@@ -274,7 +272,7 @@ class StoreReads:
             blocks = np.frombuffer(
                 out, dtype=np.uint8, count=whole * slot_nbytes, offset=int(offsets[0])
             ).reshape(whole, slot_nbytes)
-            if whole <= _GIL_KEEPING_ITEMS:
+            if whole <= GIL_KEEPING_ITEMS:
                 # A prefix hit on the engine's step thread: a copy that keeps the GIL, so the
                 # thread does not wait for the publisher to hand it back (up to the switch
                 # interval, 5 ms). One temporary, of a few MiB at most.

@@ -83,7 +83,16 @@ def test_a_step_whose_captures_do_not_add_up_is_refused() -> None:
     ours = batched()
     ids = routed(5, seed=1)
     ours.capture(1, ids[1])
-    with pytest.raises(InternalError, match="1 routed-experts captures in a step of 3"):
+    with pytest.raises(InternalError, match="1 routed-experts captures of 1 layers in a step of 3"):
+        ours.snapshot_routing_data(5)
+    for layer in (1, 2, 2):  # as many captures as layers, but layer 3 never captured
+        ours.capture(layer, ids[layer])
+    with pytest.raises(InternalError, match="3 routed-experts captures of 2 layers"):
+        ours.snapshot_routing_data(5)
+    for layer in (1, 2):
+        ours.capture(layer, ids[layer])
+    ours.capture(3, ids[3][:, :2])  # top-k ids that cannot be stacked with the rest
+    with pytest.raises(InternalError, match="do not join"):
         ours.snapshot_routing_data(5)
     run_step(ours, ids, 5)  # the next step starts clean
     for layer in (1, 2, 3, 3):

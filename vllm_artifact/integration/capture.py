@@ -80,9 +80,11 @@ class BatchedEagerCapturer(RoutedExpertsCapturer):
             return super().snapshot_routing_data(num_tokens)
         self._captured = 0
         self._layers = [None] * len(layers)
-        if captured != self._moe_layers:
+        distinct = sum(ids is not None for ids in layers)
+        if captured != self._moe_layers or distinct != self._moe_layers:
             raise InternalError(
-                f"{captured} routed-experts captures in a step of {self._moe_layers} MoE layers"
+                f"{captured} routed-experts captures of {distinct} layers in a step of "
+                f"{self._moe_layers} MoE layers"
             )
         parts = []
         for ids in layers:
@@ -91,7 +93,12 @@ class BatchedEagerCapturer(RoutedExpertsCapturer):
             elif len(ids) < num_tokens:
                 raise InternalError(f"a layer captured {len(ids)} of {num_tokens} tokens")
             parts.append(ids[:num_tokens])
-        return torch.stack(parts, dim=1).to(self.output_dtype)
+        try:
+            return torch.stack(parts, dim=1).to(self.output_dtype)
+        except RuntimeError as error:  # e.g. layers whose top-k ids differ in shape
+            raise InternalError(
+                f"the step's routed-experts captures do not join: {error}"
+            ) from None
 
     def _dense_rows(self, layers: list[torch.Tensor | None], num_tokens: int) -> torch.Tensor:
         """Zero rows for a layer without a router (process_output marks dense layers)."""

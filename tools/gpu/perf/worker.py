@@ -393,10 +393,11 @@ class Worker:
     ):
         self.config = config
         self.timers = timers  # step_timers in the engine core
-        # variants, experiments whose R3 is wrong by design: "ours+nocap", vLLM's per-layer
-        # capture unbound after start-up; "ours+nocopy", no device-to-host copy of the rows;
-        # "ours+pinnedviews", the rows handed on as views of the pinned copy; "ours+perlayer",
-        # vLLM's per-layer capture in eager steps instead of ours, batched (both: R3 right)
+        # variants (experiments): "ours+nocap", vLLM's per-layer capture unbound after
+        # start-up, and "ours+nocopy", no device-to-host copy of the rows (both: R3 wrong by
+        # design); "ours+pinnedviews", the rows handed on as views of the pinned copy, and
+        # "ours+perlayer", vLLM's per-layer capture in eager steps instead of ours, batched
+        # (both: R3 right, driver.RIGHT_R3)
         self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root

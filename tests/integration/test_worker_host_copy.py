@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from vllm_artifact.contract import StepResult
+from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.integration.worker_connector import ArtifactWorkerConnector, PendingArtifactStep
 
@@ -20,6 +21,7 @@ LAYOUT = R3Layout(num_layers=3, top_k=2, num_experts=8, block_size=4)
 class RecordingTracker:
     def __init__(self) -> None:
         self.steps: list[Any] = []
+        self.arrays = RecycledArrays(min_bytes=0)
 
     def step_finished(self, step: Any) -> StepResult:
         self.steps.append(step)
@@ -61,6 +63,8 @@ def test_a_pinned_host_copy_is_copied_out_and_released_in_process_output() -> No
     assert host_buffer() is None  # released here, not by whoever drops the step's views
     expected = np.arange(30, dtype=np.uint8).reshape(5, 3, 2)
     np.testing.assert_array_equal(step.rows, expected)
+    # copied into the tracker's recycled memory (reused once the step's views are gone)
+    assert step.rows.base is not None and tracker.arrays.nbytes == step.rows.base.nbytes
 
 
 def test_a_cpu_copy_is_handed_on_without_a_second_copy() -> None:

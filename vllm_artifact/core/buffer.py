@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
@@ -86,10 +87,13 @@ class RequestRowBuffer:
     of tokens ``[max(floor, block_start), end)`` live at ``rows[slot, token - block_start]``.
     """
 
-    def __init__(self, layout: R3Layout, *, max_bytes: int) -> None:
+    def __init__(
+        self, layout: R3Layout, *, max_bytes: int, arrays: RecycledArrays | None = None
+    ) -> None:
         if max_bytes < layout.block_nbytes:
             raise ValueError("RequestRowBuffer.max_bytes must hold at least one block")
         self._layout = layout
+        self._arrays = arrays  # where completed blocks' arrays come from
         self._bs = layout.block_size
         self._max_slots = max_bytes // layout.block_nbytes
         self._max_bytes = max_bytes
@@ -178,7 +182,7 @@ class RequestRowBuffer:
             return FullBlocks(-(-floor // bs), 0, self._layout.empty(0))
         # Blocks [first, last) are complete; a block the request began inside never is.
         first, last = -(-floor // bs), new_block_start // bs
-        out = self._layout.empty(max(last - first, 0) * bs)
+        out = self._layout.empty(max(last - first, 0) * bs, self._arrays)
         if len(out):
             lo = first * bs
             held = max(start - lo, 0)  # rows of block ``first`` buffered by earlier calls
@@ -330,20 +334,24 @@ def _as_items(rows: np.ndarray, *, per_row: bool = True) -> np.ndarray:
 GIL_KEEPING_ITEMS = 500
 
 
-def copy_rows(rows: np.ndarray) -> np.ndarray:
+def copy_rows(rows: np.ndarray, arrays: RecycledArrays | None = None) -> np.ndarray:
     """A fresh copy of ``[tokens, layers, top_k]`` rows that keeps the GIL (see
     :func:`copy_rows_into`): ``np.array(rows)`` of a 256-request decode step's 119 KB
-    releases it."""
-    out = np.empty(rows.shape, rows.dtype)
+    releases it. With ``arrays``, in its reused memory."""
+    out = (
+        np.empty(rows.shape, rows.dtype) if arrays is None else arrays.empty(rows.shape, rows.dtype)
+    )
     copy_rows_into(out, rows)
     return out
 
 
-def join_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """``np.concatenate(parts)`` of ``[tokens, layers, top_k]`` rows, keeping the GIL."""
+def join_rows(parts: Sequence[np.ndarray], arrays: RecycledArrays | None = None) -> np.ndarray:
+    """``np.concatenate(parts)`` of ``[tokens, layers, top_k]`` rows, keeping the GIL (with
+    ``arrays``, in its reused memory)."""
     if len(parts) == 1:
         return parts[0]
-    out = np.empty((sum(len(part) for part in parts), *parts[0].shape[1:]), parts[0].dtype)
+    shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
+    out = np.empty(shape, parts[0].dtype) if arrays is None else arrays.empty(shape, parts[0].dtype)
     at = 0
     for part in parts:
         copy_rows_into(out[at : at + len(part)], part)

@@ -180,7 +180,9 @@ class StepPublication:
 def _one_array(blocks: list[np.ndarray]) -> np.ndarray:
     """Consecutive blocks of one request as one array: a view when they lie back to back in
     one array (the blocks one :meth:`RequestRowBuffer.append` completed, e.g. a prefill
-    chunk's: ``RequestTracker._capture`` files them in order), else a copy."""
+    chunk's: ``RequestTracker._capture`` files them in order), else a copy. That array may be
+    a buffer of another shape and type (``core/recycled_arrays.py``): the view is cut from its
+    bytes."""
     first, last = blocks[0], blocks[-1]
     if len(blocks) == 1:
         return first
@@ -189,7 +191,7 @@ def _one_array(blocks: list[np.ndarray]) -> np.ndarray:
         origin = base.__array_interface__["data"][0]
         start = first.__array_interface__["data"][0] - origin
         end = last.__array_interface__["data"][0] - origin + last.nbytes
-        row = base.strides[0]
-        if end - start == len(blocks) * first.nbytes and start % row == 0:
-            return base[start // row : end // row]
+        if end - start == len(blocks) * first.nbytes and first.flags.c_contiguous:
+            flat = base.reshape(-1).view(np.uint8)
+            return flat[start:end].view(first.dtype).reshape(-1, *first.shape[1:])
     return join_rows(blocks)

@@ -37,6 +37,7 @@ from vllm_artifact.core.keys import (
     tail_block_key,
 )
 from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
+from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.request_state import Cursors, RequestState
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.steady_decode import SteadyDecode
@@ -80,7 +81,10 @@ class RequestTracker:
             lease_seconds=lease_seconds,
         )
         self._hits = HitReads(layout, store, self._publication, node_stores)
-        self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes)
+        #: Memory of the step's row arrays (the step's copy out of pinned memory, completed
+        #: blocks, emitted rows), reused once nothing refers to it (core/recycled_arrays.py).
+        self.arrays = RecycledArrays()
+        self._buffer = RequestRowBuffer(layout, max_bytes=buffer_max_bytes, arrays=self.arrays)
         self._steady = SteadyDecode(self._buffer)
         self._requests: dict[str, RequestState] = {}
         # The request ids of each started, unfinished step, oldest first (a step list per
@@ -347,7 +351,7 @@ class RequestTracker:
         elif token_start < cursors.pending_start + state.pending_count:
             # Recomputed tokens replace what was captured before.
             keep = max(token_start - cursors.pending_start, 0)
-            merged = join_rows(state.pending) if state.pending else rows[:0]
+            merged = join_rows(state.pending, self.arrays) if state.pending else rows[:0]
             state.pending = [merged[:keep]]
             state.pending_count = keep
         state.pending.append(rows)
@@ -371,7 +375,7 @@ class RequestTracker:
         if emit_start < pending_start:
             # One array for the span, the store rows read straight into it: no second copy
             # of the prefix (a concatenation that size releases the GIL, see buffer._as_items).
-            rows = self._layout.empty(token_end - emit_start)
+            rows = self._layout.empty(token_end - emit_start, self.arrays)
             at = pending_start - emit_start
             self._hits.read_span(state, emit_start, rows[:at], self.namespace, step_reads)
             for part in state.pending:
@@ -380,7 +384,7 @@ class RequestTracker:
                 at += count
         else:
             pending = state.pending
-            rows = join_rows(pending)
+            rows = join_rows(pending, self.arrays)
             rows = rows[emit_start - pending_start : token_end - pending_start]
         state.pending = []
         state.pending_count = 0

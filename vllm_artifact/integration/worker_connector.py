@@ -35,6 +35,7 @@ from vllm_artifact.core.buffer import copy_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.store import ObjectStore, ShmStore
@@ -105,14 +106,16 @@ class PendingArtifactStep:
             self.pinned = self.snapshot.is_cuda
             self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
 
-    def take_rows(self) -> np.ndarray | None:
+    def take_rows(self, arrays: RecycledArrays | None = None) -> np.ndarray | None:
         """The step's rows, in memory that is the caller's to keep. Views of them outlive the
         step (a prompt's rows held across chunks, rows sent to the frontend) and would keep a
-        GPU copy's whole page-locked buffer alive with them, so that buffer is copied out and
-        released here: the pinned memory in use stays that of the steps in flight."""
+        GPU copy's whole page-locked buffer alive with them, so that buffer is copied out
+        (into ``arrays``' reused memory if given) and released here: the pinned memory in use
+        stays that of the steps in flight."""
         rows, self.rows = self.rows, None
         if rows is not None and self.pinned:
-            rows = copy_rows(rows)  # the last reference to the pinned buffer goes with the view
+            # The last reference to the pinned buffer goes with the view.
+            rows = copy_rows(rows, arrays)
         return rows
 
     def process_output(self) -> StepResult:
@@ -369,7 +372,9 @@ class ArtifactWorkerConnector:
     def _process_output(self, pending: PendingArtifactStep) -> StepResult:
         if pending.error is not None:
             raise pending.error
-        rows, sampled, rejected = pending.take_rows(), pending.num_sampled, pending.num_rejected
+        arrays = None if self._tracker is None else self._tracker.arrays
+        rows = pending.take_rows(arrays)
+        sampled, rejected = pending.num_sampled, pending.num_rejected
         if rows is None or sampled is None or rejected is None or self._tracker is None:
             raise InternalError("process_output ran before enqueue_cpu_copy")
         if rows.dtype != self._layout.dtype:  # only top-1 models with exactly 256 experts

@@ -265,9 +265,10 @@ PAIRS = (
     ("ours+nocopy", "ours"),
     ("ours", "ours+pinnedviews"),
     ("ours", "ours+perlayer"),
+    ("ours", "ours+fresh"),
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
-RIGHT_R3 = ("native", "ours", "ours+pinnedviews", "ours+perlayer")
+RIGHT_R3 = ("native", "ours", "ours+pinnedviews", "ours+perlayer", "ours+fresh")
 
 
 def parse_cpus(spec: str) -> set[int] | None:

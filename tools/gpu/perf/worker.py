@@ -301,7 +301,7 @@ def pinned_views(_: Any = None) -> str:
     right)."""
     from vllm_artifact.integration.worker_connector import PendingArtifactStep
 
-    def take_rows(self: Any) -> Any:
+    def take_rows(self: Any, arrays: Any = None) -> Any:
         rows, self.rows = self.rows, None
         return rows
 
@@ -314,6 +314,16 @@ def per_layer_capture(worker: Any) -> str:
     experiment: what batching saves; R3 stays right)."""
     worker.model_runner.aux_output_connector._capturer._moe_layers = 0
     return "per-layer capture"
+
+
+def fresh_arrays(worker: Any) -> str:
+    """Turn off the reuse of the step's row arrays' memory (core/recycled_arrays.py): every
+    array in fresh memory (an experiment: what reuse saves; R3 stays right)."""
+    tracker = worker.model_runner.aux_output_connector._tracker
+    if tracker is None:
+        return "no tracker on this rank"
+    tracker.arrays.max_bytes = 0
+    return "fresh arrays"
 
 
 def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -396,8 +406,9 @@ class Worker:
         # variants (experiments): "ours+nocap", vLLM's per-layer capture unbound after
         # start-up, and "ours+nocopy", no device-to-host copy of the rows (both: R3 wrong by
         # design); "ours+pinnedviews", the rows handed on as views of the pinned copy, and
-        # "ours+perlayer", vLLM's per-layer capture in eager steps instead of ours, batched
-        # (both: R3 right, driver.RIGHT_R3)
+        # "ours+perlayer", vLLM's per-layer capture in eager steps instead of ours, batched;
+        # "ours+fresh", row arrays in fresh memory, not reused (all three: R3 right,
+        # driver.RIGHT_R3)
         self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root
@@ -446,6 +457,8 @@ class Worker:
                 applied = self.llm.collective_rpc(pinned_views)
             elif variant == "perlayer" and self.base == "ours":
                 applied = self.llm.collective_rpc(per_layer_capture)
+            elif variant == "fresh" and self.base == "ours":
+                applied = self.llm.collective_rpc(fresh_arrays)
             else:
                 raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {

@@ -187,3 +187,53 @@ def test_leases_keep_objects_readable_under_pressure_then_expire(
         publisher.submit([BlockRun(batch, ten_blocks, 0)])
     publisher.flush()
     assert not any(store.exists(leased))
+
+
+def test_a_flush_of_keys_waits_for_their_batch_across_pruning(
+    store: ShmStore, layout: R3Layout, namespace: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner's record of queued keys drops written entries now and then (kept small
+    without the publishing thread touching it); a flush of keys still waits for exactly
+    their batch, before and after pruning, and a key submitted again waits for the later."""
+    monkeypatch.setattr("vllm_artifact.core.publisher._MIN_PRUNE_AT", 8)
+    release = threading.Event()
+    writes: list[int] = []
+
+    class GatedStore:
+        layout = store.layout
+
+        def put_blocks(self, keys: Any, rows: Any, token_start: int, *, pin: bool) -> None:
+            release.wait(10)
+            writes.append(token_start)
+            store.put_blocks(keys, rows, token_start, pin=pin)
+
+    publisher = BackgroundPublisher(GatedStore())  # type: ignore[arg-type]
+    try:
+        keys = [key_for(namespace, i) for i in range(20)]
+        for i in range(12):  # past the first pruning point
+            publisher.submit([BlockRun([keys[i]], rows_for(layout, i), i * layout.block_size)])
+        # keys[5] was queued before the record was pruned (at 8 entries), and is not written.
+        waiter = threading.Thread(target=publisher.flush, args=([keys[5]],))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # its batch is not written: the flush waits
+        release.set()
+        waiter.join(10)
+        assert not waiter.is_alive() and store.exists([keys[5]]) == [True]
+        assert len(publisher._queued) <= 12
+        # Pruned of written entries as it grows; a key queued again waits for its new batch.
+        release.clear()
+        for i in range(12, 20):
+            publisher.submit([BlockRun([keys[i]], rows_for(layout, i), i * layout.block_size)])
+        assert len(publisher._queued) < 20
+        publisher.submit([BlockRun([keys[3]], rows_for(layout, 3), 3 * layout.block_size)])
+        waiter = threading.Thread(target=publisher.flush, args=([keys[3]],))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()
+        release.set()
+        waiter.join(10)
+        assert not waiter.is_alive() and writes[-1] == 3 * layout.block_size
+    finally:
+        release.set()
+        publisher.close()

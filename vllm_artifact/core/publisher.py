@@ -66,6 +66,8 @@ Submission = BlockRun | PinChange | Lease
 
 #: Default bound on waiting for a stalled store (queue full, or a flush).
 STALL_TIMEOUT_S = 10.0
+#: ``_queued`` is pruned of written entries once it has this many (or twice what it kept).
+_MIN_PRUNE_AT = 1 << 16
 
 
 class BackgroundPublisher:
@@ -95,8 +97,13 @@ class BackgroundPublisher:
         self._submitted = 0  # batches handed to submit(), numbered from 1
         self._finished = 0  # every batch up to this number is done (published, failed, dropped)
         self._finished_ahead: set[int] = set()  # batches done out of order (dropped)
-        # Objects queued but not yet written, with the batch number that writes them.
+        # Objects submitted, with the batch number that writes them: those of batches up to
+        # ``_finished`` are written. The owner's thread alone reads and changes it (submit,
+        # flush), so the publishing thread's bookkeeping under ``_progress`` is a few integer
+        # updates: the owner's step thread waits for that lock whenever the publishing thread
+        # holds it, and then for the GIL as well (up to the switch interval).
         self._queued: dict[ObjectKey, int] = {}
+        self._prune_at = _MIN_PRUNE_AT  # drop written entries once ``_queued`` has this many
         self._progress = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(
@@ -132,17 +139,25 @@ class BackgroundPublisher:
         if not runs:
             return True
         batch = list(runs)
-        with self._progress:
-            self._submitted += 1
-            number = self._submitted
-            for run in batch:
-                if isinstance(run, BlockRun):
-                    self._queued.update(dict.fromkeys(run.keys, number))
+        self._submitted += 1
+        number = self._submitted
+        queued = self._queued
+        for run in batch:
+            if isinstance(run, BlockRun):
+                queued.update(dict.fromkeys(run.keys, number))
+        if len(queued) >= self._prune_at:
+            self._prune_queued()
         try:
             self._queue.put((number, batch), timeout=self.stall_timeout)
             return True
         except queue.Full:
-            self._finish(number, batch)
+            queued = self._queued  # (pruning may have replaced it)
+            for run in batch:  # nothing to wait for: its objects stay absent
+                if isinstance(run, BlockRun):
+                    for key in run.keys:
+                        if queued.get(key) == number:
+                            del queued[key]
+            self._finish(number)
             self._failures += 1
             self.dropped_submissions += 1
             logger.error(
@@ -160,11 +175,13 @@ class BackgroundPublisher:
         ``stall_timeout``), and at once while the thread has made no progress since a flush
         last timed out."""
         wait = self.stall_timeout if timeout is None else timeout
+        if keys is None:
+            target = self._submitted
+        else:
+            target = max((self._queued.get(key, 0) for key in keys), default=0)
+        if target <= self._finished:
+            return
         with self._progress:
-            if keys is None:
-                target = self._submitted
-            else:
-                target = max((self._queued.get(key, 0) for key in keys), default=0)
             if target <= self._finished:
                 return
             if self._stalled_at == self._finished:
@@ -179,15 +196,16 @@ class BackgroundPublisher:
                     "stalled (check /dev/shm)"
                 )
 
-    def _finish(self, number: int, batch: list[Submission]) -> None:
-        """Submission ``number`` is done (published, failed or dropped): forget its keys and
-        advance ``_finished`` over every submission done without a gap."""
+    def _prune_queued(self) -> None:
+        """Forget the written entries of ``_queued`` (owner's thread)."""
+        finished = self._finished
+        self._queued = {key: n for key, n in self._queued.items() if n > finished}
+        self._prune_at = max(_MIN_PRUNE_AT, 2 * len(self._queued))
+
+    def _finish(self, number: int) -> None:
+        """Submission ``number`` is done (published, failed or dropped): advance
+        ``_finished`` over every submission done without a gap."""
         with self._progress:
-            for run in batch:
-                if isinstance(run, BlockRun):
-                    for key in run.keys:
-                        if self._queued.get(key) == number:
-                            del self._queued[key]
             self._finished_ahead.add(number)
             while self._finished + 1 in self._finished_ahead:
                 self._finished += 1
@@ -214,7 +232,7 @@ class BackgroundPublisher:
             try:
                 self._publish(batch)
             finally:
-                self._finish(number, batch)
+                self._finish(number)
             if self._leases:
                 self._expire_leases()
 

@@ -5,9 +5,8 @@ step's rows copied out of the GPU copy's page-locked buffer, a prompt chunk's co
 for the store, and each prompt's rows (its prefix hit, then what it computed) sent to the
 frontend. Fresh memory of that size comes from ``mmap`` and is faulted in page by page on
 first touch, so filling it costs several times a copy into memory touched before (measured:
-a 713 KB copy 0.16-0.28 ms into fresh memory, 0.027 ms into reused; the step thread's CPU per
-prefill step of ``benchmarks/bench_connector_step.py --workload prefill-hits`` fell by a
-quarter to a third when its prompts' arrays came from reused memory).
+on the CI machine, a 713 KB copy 0.16-0.28 ms into fresh memory, 0.027 ms into reused; on
+an H100 host whose allocator hardly faulted, no measurable difference: docs/benchmarks.md).
 
 :class:`RecycledArrays` hands out arrays as views of buffers it keeps, one buffer per array,
 in power-of-two size classes. A buffer is free again once no array refers to it: every view
@@ -15,7 +14,7 @@ of it, however derived (a slice, a reshape, a view of a view), keeps a reference
 itself, as numpy collapses a view's ``base`` onto the array that owns the memory; a memoryview
 or a tensor made from a view keeps the view, and so the buffer. So a buffer whose only
 reference is this pool's is one nothing can read or write, whichever thread dropped the last
-view (a frontend's output thread, the publisher); it is checked with ``sys.getrefcount``
+view (the engine's output thread, the publisher); it is checked with ``sys.getrefcount``
 before reuse, on the owner's thread. The pool keeps at most ``max_bytes`` of buffers; beyond
 that an array is a plain ``np.empty``, as it is below ``min_bytes``.
 """

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_artifact.core.recycled_arrays import RecycledArrays
+from vllm_artifact.core.recycled_arrays import RecycledArrays, empty
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import BufferCapacityError, RowGapError, UnknownRequestError
 
@@ -338,9 +338,7 @@ def copy_rows(rows: np.ndarray, arrays: RecycledArrays | None = None) -> np.ndar
     """A fresh copy of ``[tokens, layers, top_k]`` rows that keeps the GIL (see
     :func:`copy_rows_into`): ``np.array(rows)`` of a 256-request decode step's 119 KB
     releases it. With ``arrays``, in its reused memory."""
-    out = (
-        np.empty(rows.shape, rows.dtype) if arrays is None else arrays.empty(rows.shape, rows.dtype)
-    )
+    out = empty(rows.shape, rows.dtype, arrays)
     copy_rows_into(out, rows)
     return out
 
@@ -351,7 +349,7 @@ def join_rows(parts: Sequence[np.ndarray], arrays: RecycledArrays | None = None)
     if len(parts) == 1:
         return parts[0]
     shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
-    out = np.empty(shape, parts[0].dtype) if arrays is None else arrays.empty(shape, parts[0].dtype)
+    out = empty(shape, parts[0].dtype, arrays)
     at = 0
     for part in parts:
         copy_rows_into(out[at : at + len(part)], part)

@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["RecycledArrays"]
+__all__ = ["RecycledArrays", "empty"]
 
 #: Below this an array is a plain ``np.empty``: the allocator's heap serves it from memory
 #: touched before.
@@ -98,3 +98,10 @@ class RecycledArrays:
                 else:
                     i += 1
         return self.nbytes + size <= self.max_bytes
+
+
+def empty(
+    shape: tuple[int, ...], dtype: np.dtype | type, arrays: RecycledArrays | None = None
+) -> np.ndarray:
+    """``np.empty(shape, dtype)``, in ``arrays``' reused memory if given."""
+    return np.empty(shape, dtype) if arrays is None else arrays.empty(shape, dtype)

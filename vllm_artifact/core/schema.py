@@ -22,14 +22,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm_artifact.core.recycled_arrays import RecycledArrays, empty
 from vllm_artifact.errors import SchemaError
-
-if TYPE_CHECKING:
-    from vllm_artifact.core.recycled_arrays import RecycledArrays
 
 __all__ = ["DTYPE_CODES", "MAX_LAYERS", "R3Layout", "dtype_for_experts"]
 
@@ -177,10 +174,7 @@ class R3Layout:
     def empty(self, num_tokens: int, arrays: RecycledArrays | None = None) -> np.ndarray:
         """Uninitialized array for ``num_tokens`` rows (from ``arrays``' reused memory if
         given)."""
-        shape = (num_tokens, self.num_layers, self.top_k)
-        if arrays is not None:
-            return arrays.empty(shape, self.dtype)
-        return np.empty(shape, dtype=self.dtype)
+        return empty((num_tokens, self.num_layers, self.top_k), self.dtype, arrays)
 
     def check_rows(self, rows: object, *, what: str = "rows") -> np.ndarray:
         """Check dtype and shape of ``rows``; return it C-contiguous.

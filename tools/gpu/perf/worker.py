@@ -322,7 +322,7 @@ def fresh_arrays(worker: Any) -> str:
     tracker = worker.model_runner.aux_output_connector._tracker
     if tracker is None:
         return "no tracker on this rank"
-    tracker.arrays.max_bytes = 0
+    tracker.arrays.min_bytes = sys.maxsize  # every array a plain np.empty, buffers kept or not
     return "fresh arrays"
 
 

@@ -73,7 +73,12 @@ from vllm.v1.core.kv_cache_utils import BlockHash, init_none_hash, maybe_convert
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.core.keys import full_block_keys
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Submission
+from vllm_artifact.core.publisher import (
+    MEMORY_STORE_INLINE_FROM_BLOCKS,
+    BlockRun,
+    Publisher,
+    Submission,
+)
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import RequestTracker
@@ -419,6 +424,7 @@ class Config:
 
     @property
     def writer_thread(self) -> str:
+        """The thread that writes the store (ours: all but its inline batches)."""
         return WRITER_THREADS[self.name]
 
 
@@ -447,11 +453,19 @@ class PerStepRowsScheduler(ArtifactSchedulerConnector):
         return meta
 
 
-def ours(root: str, workload: str, name: str = "ours") -> tuple[Config, Callable[[], None]]:
+def ours(
+    root: str, workload: str, name: str = "ours", *, background: bool = False
+) -> tuple[Config, Callable[[], None]]:
+    """Ours; its large store batches written inline on the step thread as in the engine (a
+    /dev/shm store), or with ``background`` all on the publishing thread (as for a network
+    store)."""
     store = ShmStore.create_or_open_writer(
         root, name.replace(" ", "").replace(",", "-"), layout=LAYOUT, capacity_bytes=256 << 20
     )
-    publisher = BackgroundPublisher(store)
+    inline = store.writes_local_memory and not background
+    publisher = Publisher(
+        store, inline_from_blocks=MEMORY_STORE_INLINE_FROM_BLOCKS if inline else None
+    )
     publisher._thread.name = WRITER_THREADS[name]
 
     def copy_runs(runs: list[Submission], log: WriteLog) -> list[Submission]:
@@ -474,7 +488,7 @@ def ours(root: str, workload: str, name: str = "ours") -> tuple[Config, Callable
         with ShmStore.create_or_open_writer(
             root, "replay-" + WRITER_THREADS[name], layout=LAYOUT, capacity_bytes=256 << 20
         ) as fresh:
-            replayer = BackgroundPublisher(fresh)
+            replayer = Publisher(fresh)
             started = time.thread_time()
             for runs in log.writes:
                 replayer._publish(runs)
@@ -593,6 +607,12 @@ def main() -> None:
         f"prefill of 1025-token prompts, {PREFILL_TOKEN_BUDGET} tokens per step (no target); "
         "prefill-hits: the H200 harness's prefill (2049-token prompts, a 1536-token hit)",
     )
+    parser.add_argument(
+        "--background-publisher",
+        action="store_true",
+        help="ours publishes every batch on its background thread (as for a network store), "
+        "its large ones too, which the engine writes inline with its /dev/shm store",
+    )
     args = parser.parse_args()
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
     os.mkdir(root, 0o700)
@@ -600,9 +620,9 @@ def main() -> None:
     try:
         configs = []
         for make in (
-            lambda: ours(root, args.workload),
+            lambda: ours(root, args.workload, background=args.background_publisher),
             lambda: vllms_own(args.workload),
-            lambda: ours(root, args.workload, PER_STEP),
+            lambda: ours(root, args.workload, PER_STEP, background=args.background_publisher),
         ):
             config, close = make()
             configs.append(config)
@@ -689,6 +709,12 @@ def report(configs: list[Config]) -> None:
                 f"{statistics.median(wall_ms):6.3f} ms, wall - CPU mean {waited:6.3f} ms"
             )
     for config in configs:
+        publisher = getattr(config.worker, "_publisher", None)
+        if publisher is not None and publisher.inline_batches:
+            print(
+                f"  store batches of {config.name} written inline (in the step thread's "
+                f"figures): {publisher.inline_batches}"
+            )
         print(
             f"  store writer thread ({config.writer_thread}) of {config.name}: "
             f"{config.writer_cpu_ms / config.writer_steps:.3f} ms CPU per step (mean)"

@@ -53,7 +53,7 @@ from e2e_stats import quartiles, ratio_table
 from vllm_artifact.contract import EmittedRows
 from vllm_artifact.core import R3Layout, full_block_keys
 from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
-from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.publisher import Publisher
 from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.store.node_stores import NodeStores
@@ -82,7 +82,7 @@ class Engine:
             root, name, layout=layout, capacity_bytes=capacity
         )
         self.store.record_weight_version(DEFAULT_WEIGHT_VERSION)
-        self.publisher = BackgroundPublisher(self.store)
+        self.publisher = Publisher(self.store)
         self.node = NodeStores(self.store, FAMILY)
         self.tracker = RequestTracker(
             layout,

@@ -30,7 +30,7 @@ import torch
 from copy_floor import copy_floor_seconds
 
 from vllm_artifact.core.keys import Namespace, full_block_keys
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
+from vllm_artifact.core.publisher import BlockRun, Publisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 
@@ -79,7 +79,7 @@ def main() -> None:
     os.chmod(root, 0o700)
     try:
         store = ShmStore.create_or_open_writer(root, "bench", layout=LAYOUT, capacity_bytes=1 << 30)
-        publisher = BackgroundPublisher(store)
+        publisher = Publisher(store)
         publisher_clock = time.pthread_getcpuclockid(publisher._thread.ident or 0)
         blocks = StepBlocks(args.blocks)
         alone, shared, publisher_cpu = [], [], []

@@ -11,7 +11,7 @@ import pytest
 from vllm_artifact.contract import EmittedRows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys
-from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.publisher import Publisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.tracker import RequestTracker
@@ -27,7 +27,7 @@ class Engine:
     def __init__(self, root: str, name: str, layout: R3Layout) -> None:
         self.store = writer(root, name, layout)
         self.store.record_weight_version("default")
-        self.publisher = BackgroundPublisher(self.store)
+        self.publisher = Publisher(self.store)
         self.node = NodeStores(self.store, FAMILY)
         self.tracker = RequestTracker(
             layout,

@@ -1,4 +1,4 @@
-"""BackgroundPublisher: ordered, durable after flush, and a collision loses only its block."""
+"""Publisher: ordered, durable after flush, and a collision loses only its block."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vllm_artifact.core.keys import Namespace
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Lease, PinChange
+from vllm_artifact.core.publisher import BlockRun, Lease, PinChange, Publisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.errors import StoreError
@@ -28,15 +28,24 @@ def store(shm_root: str, layout: R3Layout) -> Iterator[ShmStore]:
     store.close()
 
 
+@pytest.fixture(params=[None, 1], ids=["thread", "inline"])
+def publisher(store: ShmStore, request: pytest.FixtureRequest) -> Iterator[Publisher]:
+    """Each test that takes it runs with every batch on the publishing thread, and with
+    every batch of blocks written inline (pin changes alone stay on the thread)."""
+    publisher = Publisher(store, inline_from_blocks=request.param)
+    yield publisher
+    publisher.close()
+
+
 @pytest.fixture
-def publisher(store: ShmStore) -> Iterator[BackgroundPublisher]:
-    publisher = BackgroundPublisher(store)
+def threaded(store: ShmStore) -> Iterator[Publisher]:
+    publisher = Publisher(store)
     yield publisher
     publisher.close()
 
 
 def test_flush_makes_submitted_blocks_readable(
-    store: ShmStore, publisher: BackgroundPublisher, layout: R3Layout, namespace: Namespace
+    store: ShmStore, publisher: Publisher, layout: R3Layout, namespace: Namespace
 ) -> None:
     bs = layout.block_size
     keys = [key_for(namespace, i) for i in range(4)]
@@ -50,7 +59,7 @@ def test_flush_makes_submitted_blocks_readable(
 
 
 def test_collision_keeps_first_object_and_publishes_the_rest(
-    store: ShmStore, publisher: BackgroundPublisher, layout: R3Layout, namespace: Namespace
+    store: ShmStore, publisher: Publisher, layout: R3Layout, namespace: Namespace
 ) -> None:
     keys = [key_for(namespace, i) for i in range(3)]
     store.put([(keys[0], rows_for(layout, 0), 0)], pin=False)
@@ -65,7 +74,7 @@ def test_collision_keeps_first_object_and_publishes_the_rest(
 
 
 def test_pins_follow_the_pin_change_exactly(
-    store: ShmStore, publisher: BackgroundPublisher, layout: R3Layout, namespace: Namespace
+    store: ShmStore, publisher: Publisher, layout: R3Layout, namespace: Namespace
 ) -> None:
     """A step's blocks and a pin on each of them go to the store as one pinned put; a pin
     change naming only some blocks, or a collided block, pins exactly those keys once."""
@@ -130,7 +139,7 @@ def test_a_stalled_store_never_blocks_the_step_thread_without_a_bound(
     call, a full queue drops the submission after the bound and a flush fails after it
     (then at once), instead of hanging the engine."""
     stalled = _StalledStore(store)
-    publisher = BackgroundPublisher(stalled, max_pending_batches=1, stall_timeout=0.3)  # type: ignore[arg-type]
+    publisher = Publisher(stalled, max_pending_batches=1, stall_timeout=0.3)  # type: ignore[arg-type]
     keys = [key_for(namespace, i) for i in range(3)]
     try:
         runs = [BlockRun([key], rows_for(layout, i), 0) for i, key in enumerate(keys)]
@@ -156,7 +165,7 @@ def test_a_stalled_store_never_blocks_the_step_thread_without_a_bound(
 
 
 def test_leases_keep_objects_readable_under_pressure_then_expire(
-    store: ShmStore, publisher: BackgroundPublisher, layout: R3Layout, namespace: Namespace
+    store: ShmStore, threaded: Publisher, layout: R3Layout, namespace: Namespace
 ) -> None:
     """Objects a keys handle names stay stored while leased although publications keep
     evicting (the store holds 128 blocks; 300 more are published), and become evictable
@@ -166,26 +175,26 @@ def test_leases_keep_objects_readable_under_pressure_then_expire(
     leased = [key_for(namespace, i) for i in range(4)]
     rows = np.concatenate([rows_for(layout, i) for i in range(4)])
     absent = key_for(namespace, 10_000)
-    publisher.submit([BlockRun(leased, rows, 0), Lease([*leased, absent], 0.5)])
-    publisher.flush()
-    assert publisher.leased_objects == 4 and store.stats().pinned_objects == 4
+    threaded.submit([BlockRun(leased, rows, 0), Lease([*leased, absent], 0.5)])
+    threaded.flush()
+    assert threaded.leased_objects == 4 and store.stats().pinned_objects == 4
     ten_blocks = np.concatenate([rows_for(layout, j) for j in range(10)])
     for i in range(100, 400, 10):
         batch = [key_for(namespace, j) for j in range(i, i + 10)]
-        publisher.submit([BlockRun(batch, ten_blocks, 0)])
-    publisher.flush()
-    assert publisher.failures == 0 and store.stats().evictions > 0
+        threaded.submit([BlockRun(batch, ten_blocks, 0)])
+    threaded.flush()
+    assert threaded.failures == 0 and store.stats().evictions > 0
     out = layout.empty(4 * bs)
     store.read_into(leased, out)  # every other block of the first 100 evicted
     np.testing.assert_array_equal(out, rows)
     deadline = time.monotonic() + 10
-    while publisher.leased_objects and time.monotonic() < deadline:
+    while threaded.leased_objects and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert publisher.leased_objects == 0 and store.stats().pinned_objects == 0
+    assert threaded.leased_objects == 0 and store.stats().pinned_objects == 0
     for i in range(400, 700, 10):  # no pin left: the old objects go
         batch = [key_for(namespace, j) for j in range(i, i + 10)]
-        publisher.submit([BlockRun(batch, ten_blocks, 0)])
-    publisher.flush()
+        threaded.submit([BlockRun(batch, ten_blocks, 0)])
+    threaded.flush()
     assert not any(store.exists(leased))
 
 
@@ -207,7 +216,7 @@ def test_a_flush_of_keys_waits_for_their_batch_across_pruning(
             writes.append(token_start)
             store.put_blocks(keys, rows, token_start, pin=pin)
 
-    publisher = BackgroundPublisher(GatedStore())  # type: ignore[arg-type]
+    publisher = Publisher(GatedStore())  # type: ignore[arg-type]
     try:
         keys = [key_for(namespace, i) for i in range(20)]
         for i in range(12):  # past the first pruning point
@@ -236,4 +245,107 @@ def test_a_flush_of_keys_waits_for_their_batch_across_pruning(
         assert not waiter.is_alive() and writes[-1] == 3 * layout.block_size
     finally:
         release.set()
+        publisher.close()
+
+
+class _RecordingStore:
+    """Records which thread writes each batch of blocks, and how many blocks."""
+
+    def __init__(self, store: ShmStore) -> None:
+        self._store = store
+        self.layout = store.layout
+        self.writes: list[tuple[str, int]] = []
+
+    def put_blocks(self, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        self.writes.append((threading.current_thread().name, len(keys)))
+        return self._store.put_blocks(keys, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_large_batches_are_stored_inline_in_order_and_small_ones_on_the_thread(
+    store: ShmStore, layout: R3Layout, namespace: Namespace
+) -> None:
+    """With ``inline_from_blocks`` (the engine's /dev/shm store) a batch of that many blocks
+    is in the store when ``submit`` returns, written on the caller's thread; a smaller one
+    goes to the publishing thread; and an inline batch never overtakes a queued one (it waits
+    for it, so pins and unpins keep their order)."""
+    recording = _StalledStore(store)
+    recording.release.set()
+    recorder = _RecordingStore(recording)  # type: ignore[arg-type]
+    publisher = Publisher(recorder, inline_from_blocks=4)  # type: ignore[arg-type]
+    keys = [key_for(namespace, i) for i in range(12)]
+    rows = np.concatenate([rows_for(layout, i) for i in range(12)])
+    bs = layout.block_size
+    try:
+        assert publisher.submit([BlockRun(keys[:2], rows[: 2 * bs], 0)])
+        assert publisher.submit([BlockRun(keys[2:6], rows[2 * bs : 6 * bs], 2 * bs)])
+        assert store.exists(keys[:6]) == [True] * 6  # the queued pair went first
+        assert recorder.writes == [("vllm-artifact-publisher", 2), ("MainThread", 4)]
+        # A queued batch stuck in the store holds the next inline one back until it is done.
+        recording.release.clear()
+        assert publisher.submit([BlockRun(keys[6:7], rows[6 * bs : 7 * bs], 6 * bs)])
+        time.sleep(0.1)
+        inline = threading.Thread(
+            target=publisher.submit, args=([BlockRun(keys[7:12], rows[7 * bs :], 7 * bs)],)
+        )
+        inline.start()
+        time.sleep(0.2)
+        assert store.exists(keys[6:12]) == [False] * 6
+        recording.release.set()
+        inline.join(10)
+        assert store.exists(keys) == [True] * 12
+        assert [count for _, count in recorder.writes] == [2, 4, 1, 5]
+        assert publisher.inline_batches == 2 and publisher.failures == 0
+    finally:
+        recording.release.set()
+        publisher.close()
+
+
+class _FailingStore:
+    """A store whose block writes fail (an arena that cannot take them)."""
+
+    def __init__(self, store: ShmStore) -> None:
+        self._store = store
+        self.layout = store.layout
+
+    def put_blocks(self, *args: Any, **kwargs: Any) -> None:
+        raise StoreError("the arena refused the write")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_an_inline_publication_that_fails_is_counted_not_raised(
+    store: ShmStore, layout: R3Layout, namespace: Namespace
+) -> None:
+    """The step thread writing a batch inline never sees a store error: the batch is counted
+    as failed and its keys stay absent (a later hit on them fails closed)."""
+    failing = Publisher(_FailingStore(store), inline_from_blocks=1)  # type: ignore[arg-type]
+    key = key_for(namespace, 0)
+    try:
+        assert failing.submit([BlockRun([key], rows_for(layout, 0), 0)])
+        assert failing.inline_batches == 1
+        assert failing.failures == 1 and store.exists([key]) == [False]
+    finally:
+        failing.close()
+
+
+def test_a_batch_with_a_lease_goes_to_the_thread_which_ends_the_lease(
+    store: ShmStore, layout: R3Layout, namespace: Namespace
+) -> None:
+    """A lease is never written inline: the publishing thread times its expiry."""
+    publisher = Publisher(store, inline_from_blocks=1)
+    leased = [key_for(namespace, i) for i in range(2)]
+    rows = np.concatenate([rows_for(layout, i) for i in range(2)])
+    try:
+        publisher.submit([BlockRun(leased, rows, 0), Lease(leased, 0.05)])
+        publisher.flush()
+        assert publisher.inline_batches == 0 and store.exists(leased) == [True, True]
+        deadline = time.monotonic() + 10
+        while publisher.leased_objects and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert publisher.leased_objects == 0 and store.stats().pinned_objects == 0
+    finally:
         publisher.close()

@@ -12,7 +12,7 @@ import pytest
 from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun
+from vllm_artifact.core.publisher import BlockRun, Publisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch, StepRows
 from vllm_artifact.core.store import ShmStore
@@ -23,7 +23,7 @@ from .conftest import gil_releases, rows_for
 BS = 16  # block size of the SMALL layout
 
 
-Parts = tuple[RequestTracker, ShmStore, BackgroundPublisher]
+Parts = tuple[RequestTracker, ShmStore, Publisher]
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def tracker(shm_root: str, layout: R3Layout) -> Iterator[Parts]:
     store = ShmStore.create_or_open_writer(
         shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
     )
-    publisher = BackgroundPublisher(store)
+    publisher = Publisher(store)
     yield (
         RequestTracker(
             layout, "model", store, publisher, buffer_max_bytes=1 << 20, block_id=block_id
@@ -306,7 +306,7 @@ def test_normal_finish_publishes_the_terminal_partial_block(
     np.testing.assert_array_equal(tail, rows[BS:])
 
 
-def submissions_of(publisher: BackgroundPublisher, monkeypatch: pytest.MonkeyPatch) -> list[list]:
+def submissions_of(publisher: Publisher, monkeypatch: pytest.MonkeyPatch) -> list[list]:
     """What ``publisher.submit`` is given from now on (it still publishes)."""
     seen: list[list] = []
     submit = publisher.submit
@@ -610,7 +610,7 @@ def test_prefill_steps_with_prefix_hits_keep_the_gil(shm_root: str) -> None:
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 256, (hit_tokens + computed, 58, 8), dtype=np.uint8)
     prefix = hashes("prefix", hit_tokens // BS)
-    publisher = BackgroundPublisher(store)
+    publisher = Publisher(store)
     first = RequestTracker(
         layout, "model", store, publisher, buffer_max_bytes=64 << 20, block_id=block_id
     )
@@ -657,7 +657,7 @@ def test_a_keys_handles_objects_are_leased_then_released(shm_root: str, layout: 
     store = ShmStore.create_or_open_writer(
         shm_root, "s", layout=layout, capacity_bytes=64 * layout.block_nbytes * 2
     )
-    publisher = BackgroundPublisher(store)
+    publisher = Publisher(store)
     t = RequestTracker(
         layout,
         "model",

@@ -101,6 +101,7 @@ def publisher_probe(llm: Any) -> dict[str, Any]:
             "pinned": stats.pinned_objects,
             "failures": publisher.failures,
             "published": publisher.published_objects,
+            "inline": publisher.inline_from_blocks,  # a network store: None (publisher.py)
             "stride": connector.store.value_stride,
             "log": list(getattr(worker, "fault_test_log", [])),
         }
@@ -229,6 +230,7 @@ def test_killed_master_fails_hits_closed_serves_fresh_prompts_and_recovers(
     assert_served(model_a, first)
     before = publisher_probe(llm)  # its objects are in Mooncake now
     assert before["published"] > 0
+    assert before["inline"] is None  # a dead master must not stall the step thread
     # A hit while the master serves (the engine's read staging buffer is registered by
     # then: what a serving engine's reads find when the master dies).
     assert_hit_reads_back(llm, model_a, published, first)

@@ -63,11 +63,17 @@ def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
 
-    def roles(worker: Any) -> tuple[bool, bool]:
+    def roles(worker: Any) -> tuple[bool, bool, bool]:
+        """Connector, store, large batches written inline (the /dev/shm store's writer)."""
         connector = worker.model_runner.aux_output_connector
-        return connector is not None, connector.store is not None
+        publisher = connector._publisher
+        return (
+            connector is not None,
+            connector.store is not None,
+            publisher is not None and publisher.inline_from_blocks is not None,
+        )
 
-    assert sorted(llm.collective_rpc(roles)) == [(True, False), (True, True)]
+    assert sorted(llm.collective_rpc(roles)) == [(True, False, False), (True, True, True)]
     prompts = [PROMPT, "The router picks four of three hundred experts."]
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts[:1], GREEDY)[0]

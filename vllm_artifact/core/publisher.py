@@ -1,12 +1,25 @@
-"""Background publication of R3 objects, off the step path of the writing worker.
+"""Publication of R3 objects, off the step path, and large batches inline on memory stores.
 
-The worker hands full blocks to :class:`BackgroundPublisher` and continues; one thread writes
-them to the store in order. Readers in the same process call :meth:`flush` before reading keys
-that may still be queued (the read-after-write hazard): it waits, with a bound, until those keys
-are durable. A failed publication never raises on the step path: it is logged and counted, and
-the affected keys simply stay absent, so a later hit on them fails closed as "missing" for that
+The worker hands full blocks to :class:`Publisher` and continues; one thread writes them to
+the store in order. Readers in the same process call :meth:`Publisher.flush` before reading
+keys that may still be queued (the read-after-write hazard): it waits, with a bound, until
+those keys are durable.
+
+With ``inline_from_blocks`` (a store whose writes are copies into this host's memory: the
+/dev/shm store), a submission of at least that many blocks is written on the caller's thread
+instead, once every earlier submission is done (order is kept). Why: on a GPU the engine's
+main thread launches an eager (prefill) step's forward pass one torch or Triton call at a
+time, releasing the GIL inside each; a publishing thread waiting for the GIL takes it there
+and the main thread then sleeps until it gets it back, many times for one large batch
+(docs/benchmarks.md: a prefill round's main-thread waits fell from about 1,200 to 470 with
+its batches written inline). A decode step's few blocks stay on the thread: there the main
+thread has time to spare and the step thread's own time is what counts.
+
+A failed publication never raises on the step path: it is logged and counted, and the
+affected keys simply stay absent, so a later hit on them fails closed as "missing" for that
 request only. A stalled store cannot hang the engine either: a full queue drops the submission
-after ``stall_timeout`` (counted as a failure), and a flush that waited that long raises
+after ``stall_timeout`` (counted as a failure), an inline batch that waited that long for the
+batches before it is dropped the same way, and a flush that waited that long raises
 ``StoreError`` (the reading request fails) and later flushes fail at once until the thread
 makes progress again.
 
@@ -32,7 +45,14 @@ from vllm_artifact.core.keys import ObjectKey
 from vllm_artifact.core.store.contract import ObjectStore
 from vllm_artifact.errors import ArtifactError, KeyCollisionError, StoreError
 
-__all__ = ["BackgroundPublisher", "BlockRun", "Lease", "PinChange", "Submission"]
+__all__ = [
+    "MEMORY_STORE_INLINE_FROM_BLOCKS",
+    "BlockRun",
+    "Lease",
+    "PinChange",
+    "Publisher",
+    "Submission",
+]
 
 logger = logging.getLogger("vllm.artifact.publisher")
 
@@ -64,19 +84,25 @@ class Lease(NamedTuple):
 
 Submission = BlockRun | PinChange | Lease
 
+#: A memory store's submissions of at least this many blocks are written inline: a prefill
+#: step's (an 8,192-token chunk completes 512 blocks of 16 tokens), not a decode step's (one
+#: block per 16 running requests).
+MEMORY_STORE_INLINE_FROM_BLOCKS = 64
 #: Default bound on waiting for a stalled store (queue full, or a flush).
 STALL_TIMEOUT_S = 10.0
 #: ``_queued`` is pruned of written entries once it has this many (or twice what it kept).
 _MIN_PRUNE_AT = 1 << 16
 
 
-class BackgroundPublisher:
-    """Single publishing thread in front of one writable store."""
+class Publisher:
+    """The one writer in front of one writable store: a single publishing thread, and large
+    batches on the caller's thread with ``inline_from_blocks`` (module docstring)."""
 
     def __init__(
         self,
         store: ObjectStore,
         *,
+        inline_from_blocks: int | None = None,
         max_pending_batches: int = 1024,
         stall_timeout: float = STALL_TIMEOUT_S,
     ) -> None:
@@ -105,6 +131,12 @@ class BackgroundPublisher:
         self._queued: dict[ObjectKey, int] = {}
         self._prune_at = _MIN_PRUNE_AT  # drop written entries once ``_queued`` has this many
         self._progress = threading.Condition()
+        #: Submissions of at least this many blocks are written by the caller (None: never).
+        self.inline_from_blocks = inline_from_blocks
+        self.inline_batches = 0  # submissions written on the caller's thread
+        # Held by whichever thread writes the store (the caller's inline batches, the
+        # publishing thread's batches and lease expiries): the store has one writer at a time.
+        self._writing = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(
             target=self._run, name="vllm-artifact-publisher", daemon=True
@@ -130,8 +162,9 @@ class BackgroundPublisher:
         return self._leased
 
     def submit(self, runs: Sequence[Submission]) -> bool:
-        """Queue blocks for publication, pin changes and leases, executed in order. Waits only
-        if the queue is full, for at most ``stall_timeout``: then the submission is dropped
+        """Blocks for publication, pin changes and leases, executed in order: queued, or
+        written before returning if the batch is large enough to go inline. Either waits only
+        for a stalled store, for at most ``stall_timeout``: then the submission is dropped
         (logged and counted; its blocks stay absent, so hits on them fail closed) and False
         is returned. Never raises on the step path but when closed."""
         if self._closed:
@@ -139,6 +172,8 @@ class BackgroundPublisher:
         if not runs:
             return True
         batch = list(runs)
+        if self._goes_inline(batch):
+            return self._write_inline(batch)
         self._submitted += 1
         number = self._submitted
         queued = self._queued
@@ -157,17 +192,51 @@ class BackgroundPublisher:
                     for key in run.keys:
                         if queued.get(key) == number:
                             del queued[key]
-            self._finish(number)
-            self._failures += 1
-            self.dropped_submissions += 1
-            logger.error(
-                "vllm-artifact: the R3 publisher has not taken a submission for %.1f s (store "
-                "stalled? check /dev/shm); %d objects not published, later hits on them fail "
-                "closed",
-                self.stall_timeout,
-                sum(len(run.keys) for run in batch if isinstance(run, BlockRun)),
-            )
+            self._drop(number, batch)
             return False
+
+    def _goes_inline(self, batch: list[Submission]) -> bool:
+        """Large enough to write inline; never with a lease (the thread times its expiry)."""
+        if self.inline_from_blocks is None:
+            return False
+        blocks = 0
+        for run in batch:
+            if isinstance(run, BlockRun):
+                blocks += len(run.keys)
+            elif isinstance(run, Lease):
+                return False
+        return blocks >= self.inline_from_blocks
+
+    def _write_inline(self, batch: list[Submission]) -> bool:
+        """Write ``batch`` on this thread once every earlier submission is done."""
+        try:
+            self.flush(timeout=self.stall_timeout)
+        except StoreError:
+            self._submitted += 1
+            self._drop(self._submitted, batch)
+            return False
+        self._submitted += 1
+        number = self._submitted
+        try:
+            with self._writing:
+                self._publish(batch)
+        finally:
+            self.inline_batches += 1
+            self._finish(number)
+        return True
+
+    def _drop(self, number: int, batch: list[Submission]) -> None:
+        """Submission ``number`` is not written (the store stalled): counted and logged."""
+        self._finish(number)
+        self._failures += 1
+        self.dropped_submissions += 1
+        logger.error(
+            "vllm-artifact: the R3 publisher has not taken a submission for %.1f s (store "
+            "stalled? check /dev/shm); %d objects not published, later hits on them fail "
+            "closed",
+            self.stall_timeout,
+            sum(len(run.keys) for run in batch if isinstance(run, BlockRun)),
+        )
 
     def flush(self, keys: Sequence[ObjectKey] | None = None, timeout: float | None = None) -> None:
         """Wait until every object submitted so far (or only those of ``keys`` still queued)
@@ -224,17 +293,20 @@ class BackgroundPublisher:
             try:
                 item = self._queue.get(timeout=self._until_next_expiry())
             except queue.Empty:
-                self._expire_leases()
+                with self._writing:
+                    self._expire_leases()
                 continue
             if item is None:
                 return
             number, batch = item
             try:
-                self._publish(batch)
+                with self._writing:
+                    self._publish(batch)
             finally:
                 self._finish(number)
             if self._leases:
-                self._expire_leases()
+                with self._writing:
+                    self._expire_leases()
 
     def _until_next_expiry(self) -> float | None:
         if not self._leases:

@@ -21,7 +21,7 @@ import numpy as np
 
 from vllm_artifact.core.buffer import join_rows
 from vllm_artifact.core.keys import ObjectKey
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, Lease, PinChange
+from vllm_artifact.core.publisher import BlockRun, Lease, PinChange, Publisher
 from vllm_artifact.core.request_state import RequestState
 from vllm_artifact.errors import InternalError
 
@@ -35,7 +35,7 @@ class StepPublication:
 
     def __init__(
         self,
-        publisher: BackgroundPublisher,
+        publisher: Publisher,
         *,
         block_size: int,
         block_id: Callable[[bytes], int],

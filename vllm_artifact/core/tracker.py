@@ -36,7 +36,7 @@ from vllm_artifact.core.keys import (
     ObjectKey,
     tail_block_key,
 )
-from vllm_artifact.core.publisher import BackgroundPublisher, BlockRun, PinChange
+from vllm_artifact.core.publisher import BlockRun, PinChange, Publisher
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.request_state import Cursors, RequestState
 from vllm_artifact.core.schema import R3Layout
@@ -65,7 +65,7 @@ class RequestTracker:
         layout: R3Layout,
         model_id: str,
         store: ObjectStore,
-        publisher: BackgroundPublisher,
+        publisher: Publisher,
         *,
         buffer_max_bytes: int,
         block_id: Callable[[bytes], int],

@@ -34,7 +34,7 @@ from vllm_artifact.contract import (
 from vllm_artifact.core.buffer import copy_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
-from vllm_artifact.core.publisher import BackgroundPublisher
+from vllm_artifact.core.publisher import MEMORY_STORE_INLINE_FROM_BLOCKS, Publisher
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
@@ -151,7 +151,7 @@ class ArtifactWorkerConnector:
         self._engine_store: EngineStore | None = None
         self._store: ObjectStore | None = None
         self._node_stores: NodeStores | None = None
-        self._publisher: BackgroundPublisher | None = None
+        self._publisher: Publisher | None = None
         self._tracker: RequestTracker | None = None
         self._keys_context: KeysContext | None = None  # sent to the scheduler once
         if kv_cache_config is not None:
@@ -199,7 +199,13 @@ class ArtifactWorkerConnector:
         # With /dev/shm, KV hits on blocks another engine of this node computed (a PD
         # producer, a shared KV tier) read their R3 from that engine's store.
         self._node_stores = self._engine_store.node_stores
-        self._publisher = BackgroundPublisher(self._store)
+        # A memory store's large batches are written inline (core/publisher.py says why).
+        self._publisher = Publisher(
+            self._store,
+            inline_from_blocks=(
+                MEMORY_STORE_INLINE_FROM_BLOCKS if self._store.writes_local_memory else None
+            ),
+        )
         self._tracker = RequestTracker(
             self._layout,
             self._model_id,

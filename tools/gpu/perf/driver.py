@@ -266,9 +266,22 @@ PAIRS = (
     ("ours", "ours+pinnedviews"),
     ("ours", "ours+perlayer"),
     ("ours", "ours+fresh"),
+    ("ours", "ours+background"),
+    ("ours", "ours+allinline"),
+    ("ours+copyframes", "ours"),
+    ("off+copyframes", "off"),
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
-RIGHT_R3 = ("native", "ours", "ours+pinnedviews", "ours+perlayer", "ours+fresh")
+RIGHT_R3 = (
+    "native",
+    "ours",
+    "ours+pinnedviews",
+    "ours+perlayer",
+    "ours+fresh",
+    "ours+background",
+    "ours+allinline",
+    "ours+copyframes",
+)
 
 
 def parse_cpus(spec: str) -> set[int] | None:

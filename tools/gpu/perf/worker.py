@@ -326,6 +326,47 @@ def fresh_arrays(worker: Any) -> str:
     return "fresh arrays"
 
 
+def background_publisher(worker: Any) -> str:
+    """Publish on a background thread, as for a network store, instead of inline on the step
+    thread (an experiment: what the engine main thread loses to another thread taking the GIL
+    while the main thread is inside a torch or CUDA call; R3 stays right)."""
+    from vllm_artifact.core.publisher import Publisher
+
+    connector = worker.model_runner.aux_output_connector
+    tracker = getattr(connector, "_tracker", None)
+    if tracker is None:
+        return "no publisher on this rank"
+    connector._publisher.close()
+    connector._publisher = tracker._publication._publisher = Publisher(connector._store)
+    return "background publisher"
+
+
+def all_inline(worker: Any) -> str:
+    """Write every batch of blocks inline, a decode step's few too, not only batches of
+    ``MEMORY_STORE_INLINE_FROM_BLOCKS`` (an experiment; R3 stays right)."""
+    connector = worker.model_runner.aux_output_connector
+    publisher = getattr(connector, "_publisher", None)
+    if publisher is None:
+        return "no publisher on this rank"
+    publisher.inline_from_blocks = 1
+    return "every batch of blocks inline"
+
+
+def copied_frames(_: Any = None) -> str:
+    """Make the engine's ZMQ sockets copy every frame instead of sending large ones zero-copy
+    (an experiment: zero-copy frames are released by pyzmq's garbage-collector thread, which
+    takes the GIL once per frame; R3 stays right)."""
+    import gc as gc_module
+
+    import zmq
+
+    zmq.COPY_THRESHOLD = 1 << 30
+    sockets = [s for s in gc_module.get_objects() if isinstance(s, zmq.Socket)]
+    for socket in sockets:
+        socket.copy_threshold = 1 << 30
+    return f"{len(sockets)} sockets copy frames"
+
+
 def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         k: (v if k.endswith("max_s") or k in ("tracked", "frozen") else v - before.get(k, 0))
@@ -407,7 +448,9 @@ class Worker:
         # start-up, and "ours+nocopy", no device-to-host copy of the rows (both: R3 wrong by
         # design); "ours+pinnedviews", the rows handed on as views of the pinned copy, and
         # "ours+perlayer", vLLM's per-layer capture in eager steps instead of ours, batched;
-        # "ours+fresh", row arrays in fresh memory, not reused (all three: R3 right,
+        # "ours+fresh", row arrays in fresh memory, not reused; "ours+background", every batch
+        # published on the background thread; "ours+allinline", every batch of blocks inline;
+        # "+copyframes", the engine's ZMQ frames copied, never zero-copy (these: R3 right,
         # driver.RIGHT_R3)
         self.base, *self.variants = config.split("+")
         self.model = model
@@ -445,20 +488,26 @@ class Worker:
             return outputs
 
         engine.step = timed_step
-        applied = None
+        applied: list[Any] = []
         if self.timers:  # first: an unbound capture is not timed
             self.llm.collective_rpc(step_timers)
         for variant in self.variants:
             if variant == "nocap":
-                applied = self.llm.collective_rpc(unbind_capture)
+                applied += self.llm.collective_rpc(unbind_capture)
             elif variant == "nocopy" and self.base == "ours":
-                applied = self.llm.collective_rpc(skip_copy)
+                applied += self.llm.collective_rpc(skip_copy)
             elif variant == "pinnedviews" and self.base == "ours":
-                applied = self.llm.collective_rpc(pinned_views)
+                applied += self.llm.collective_rpc(pinned_views)
             elif variant == "perlayer" and self.base == "ours":
-                applied = self.llm.collective_rpc(per_layer_capture)
+                applied += self.llm.collective_rpc(per_layer_capture)
             elif variant == "fresh" and self.base == "ours":
-                applied = self.llm.collective_rpc(fresh_arrays)
+                applied += self.llm.collective_rpc(fresh_arrays)
+            elif variant == "background" and self.base == "ours":
+                applied += self.llm.collective_rpc(background_publisher)
+            elif variant == "allinline" and self.base == "ours":
+                applied += self.llm.collective_rpc(all_inline)
+            elif variant == "copyframes":
+                applied += self.llm.collective_rpc(copied_frames)
             else:
                 raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {

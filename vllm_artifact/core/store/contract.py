@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -70,6 +70,10 @@ class StoreStats:
 
 class ObjectStore(ABC):
     """Contract every R3 object-store backend follows (see module docstring)."""
+
+    #: Writes are copies into this host's memory that never wait on a network or another
+    #: process, so the engine publishes inline, on its step thread (``core/publisher.py``).
+    writes_local_memory: ClassVar[bool] = False
 
     @property
     @abstractmethod

@@ -60,6 +60,8 @@ _OPEN_ATTEMPTS = 5
 class ShmStore(ObjectStore):
     """Object store backed by one mmap'd arena under /dev/shm (see module doc)."""
 
+    writes_local_memory = True
+
     def __init__(
         self,
         *,

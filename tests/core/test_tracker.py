@@ -26,12 +26,14 @@ BS = 16  # block size of the SMALL layout
 Parts = tuple[RequestTracker, ShmStore, Publisher]
 
 
-@pytest.fixture
-def tracker(shm_root: str, layout: R3Layout) -> Iterator[Parts]:
+@pytest.fixture(params=[None, 1], ids=["thread", "inline"])
+def tracker(shm_root: str, layout: R3Layout, request: pytest.FixtureRequest) -> Iterator[Parts]:
+    """Each tracker test runs with every batch published on the thread, and with every batch
+    of blocks written inline on the step thread (the engine writes a prefill step's so)."""
     store = ShmStore.create_or_open_writer(
         shm_root, "s", layout=layout, capacity_bytes=256 * layout.block_nbytes * 2
     )
-    publisher = Publisher(store)
+    publisher = Publisher(store, inline_from_blocks=request.param)
     yield (
         RequestTracker(
             layout, "model", store, publisher, buffer_max_bytes=1 << 20, block_id=block_id

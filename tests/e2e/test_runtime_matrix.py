@@ -152,6 +152,36 @@ def test_async_scheduling_with_prefix_caching(async_llm: Any, model_a: Path) -> 
     assert connector_stats(llm)["reads"] > before, "prefix R3 must come from the store"
 
 
+def test_a_prefill_steps_blocks_written_inline_are_read_back_as_prefix_hits(
+    async_llm: Any, model_a: Path
+) -> None:
+    """A step that completes 64 blocks or more has them written inline on the step thread
+    (core/publisher.py); its requests' R3 matches the oracle, and so does that of the same
+    prompts again, whose prefix rows are read from those objects."""
+    llm = async_llm
+    budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompts = [
+        " ".join(f"Inline batch {p} sentence {i} routes to {(i * p) % 7}." for i in range(40))
+        for p in range(8)
+    ]
+    before = connector_stats(llm)
+    first = llm.generate(prompts, GREEDY)
+    total = sum(len(output.prompt_token_ids) for output in first)
+    assert min(budget, total) >= 64 * 32, "one step must complete 64 blocks of 32 tokens"
+    for output in first:
+        check(model_a, output)
+    written = connector_stats(llm)
+    assert written["inline_batches"] > before["inline_batches"]
+    again = llm.generate(prompts, GREEDY)
+    for output, earlier in zip(again, first, strict=True):
+        check(model_a, output)
+        assert output.num_cached_tokens >= 32
+        np.testing.assert_array_equal(
+            output.outputs[0].routed_experts, earlier.outputs[0].routed_experts
+        )
+    assert connector_stats(llm)["reads"] > written["reads"], "prefix R3 must come from the store"
+
+
 SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 

@@ -29,6 +29,7 @@ def connector_stats(llm: Any) -> dict[str, int]:
             "reads": connector.reads,
             "adopted": connector.adopted,
             "tails": connector.tails_published,
+            "inline_batches": connector._publisher.inline_batches,  # written on the step thread
             "objects": store.objects,
             "bytes_used": store.bytes_used,
             "capacity_bytes": store.capacity_bytes,  # the arena file, overhead included

@@ -11,9 +11,9 @@ instead, once every earlier submission is done (order is kept). Why: on a GPU th
 main thread launches an eager (prefill) step's forward pass one torch or Triton call at a
 time, releasing the GIL inside each; a publishing thread waiting for the GIL takes it there
 and the main thread then sleeps until it gets it back, many times for one large batch
-(docs/benchmarks.md: a prefill round's main-thread waits fell from about 1,200 to 470 with
-its batches written inline). A decode step's few blocks stay on the thread: there the main
-thread has time to spare and the step thread's own time is what counts.
+(docs/benchmarks.md: on an H100 a prefill round's main-thread sleeps fell from about 1,200
+to 470 with its batches written inline). A decode step's few blocks stay on the thread: there
+the main thread has time to spare and the step thread's own time is what counts.
 
 A failed publication never raises on the step path: it is logged and counted, and the
 affected keys simply stay absent, so a later hit on them fails closed as "missing" for that
@@ -231,7 +231,7 @@ class Publisher:
         self._failures += 1
         self.dropped_submissions += 1
         logger.error(
-            "vllm-artifact: the R3 publisher has not taken a submission for %.1f s (store "
+            "vllm-artifact: R3 publication has made no room for a submission in %.1f s (store "
             "stalled? check /dev/shm); %d objects not published, later hits on them fail "
             "closed",
             self.stall_timeout,

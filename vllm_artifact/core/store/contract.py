@@ -72,7 +72,8 @@ class ObjectStore(ABC):
     """Contract every R3 object-store backend follows (see module docstring)."""
 
     #: Writes are copies into this host's memory that never wait on a network or another
-    #: process, so the engine publishes inline, on its step thread (``core/publisher.py``).
+    #: process, so the engine writes large batches inline, on its step thread
+    #: (``core/publisher.py``).
     writes_local_memory: ClassVar[bool] = False
 
     @property

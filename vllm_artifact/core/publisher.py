@@ -112,7 +112,7 @@ class Publisher:
         )
         self.stall_timeout = stall_timeout
         self._stalled_at: int | None = None  # ``_finished`` when a flush last timed out
-        self.dropped_submissions = 0  # submissions dropped on a full queue
+        self.dropped_submissions = 0  # dropped on a stalled store (queue full, inline wait)
         # Lease expiries: (deadline, sequence, keys pinned), and how many keys they hold.
         self._leases: list[tuple[float, int, list[ObjectKey]]] = []
         self._lease_ids = itertools.count()

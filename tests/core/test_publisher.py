@@ -349,3 +349,36 @@ def test_a_batch_with_a_lease_goes_to_the_thread_which_ends_the_lease(
         assert publisher.leased_objects == 0 and store.stats().pinned_objects == 0
     finally:
         publisher.close()
+
+
+def test_an_inline_batch_behind_a_stalled_store_is_dropped_after_the_bound(
+    store: ShmStore, layout: R3Layout, namespace: Namespace
+) -> None:
+    """The step thread never waits longer than ``stall_timeout`` for the batches queued before
+    an inline one: with the publishing thread stuck in the store, the inline batch is dropped
+    (counted, its keys absent) and the next one is dropped at once, until the store moves."""
+    stalled = _StalledStore(store)
+    publisher = Publisher(stalled, inline_from_blocks=2, stall_timeout=0.3)  # type: ignore[arg-type]
+    keys = [key_for(namespace, i) for i in range(5)]
+    rows = np.concatenate([rows_for(layout, i) for i in range(5)])
+    bs = layout.block_size
+    try:
+        assert publisher.submit([BlockRun(keys[:1], rows[:bs], 0)])  # the thread hangs in it
+        time.sleep(0.1)
+        started = time.monotonic()
+        inline = [BlockRun(keys[1:3], rows[bs : 3 * bs], bs)]
+        assert _in_thread(lambda: publisher.submit(inline)) is False
+        assert 0.25 < time.monotonic() - started < 5
+        later = [BlockRun(keys[3:5], rows[3 * bs :], 3 * bs)]
+        assert _in_thread(lambda: publisher.submit(later), bound=0.2) is False
+        assert publisher.dropped_submissions == 2 and publisher.inline_batches == 0
+    finally:
+        stalled.release.set()
+    deadline = time.monotonic() + 10
+    while publisher.published_objects < 1:  # unstuck: it goes on
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert publisher.submit([BlockRun(keys[3:5], rows[3 * bs :], 3 * bs)])  # inline again
+    assert publisher.inline_batches == 1
+    publisher.close()
+    assert store.exists(keys) == [True, False, False, True, True]

@@ -125,6 +125,13 @@ def _in_thread(call: Any, bound: float = 10.0) -> Any:
     return result[0]
 
 
+def _wait_until_published(publisher: Publisher, objects: int) -> None:
+    deadline = time.monotonic() + 10
+    while publisher.published_objects < objects:
+        assert time.monotonic() < deadline, f"{objects} objects not published within 10 s"
+        time.sleep(0.01)
+
+
 def _outcome(call: Any) -> Any:
     try:
         return call()
@@ -155,10 +162,7 @@ def test_a_stalled_store_never_blocks_the_step_thread_without_a_bound(
         assert publisher.flush([keys[2]]) is None  # dropped: nothing to wait for
     finally:
         stalled.release.set()
-    deadline = time.monotonic() + 10
-    while publisher.published_objects < 2:  # unstuck: it goes on
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _wait_until_published(publisher, 2)  # unstuck: it goes on
     publisher.flush()
     publisher.close()
     assert store.exists(keys) == [True, True, False]
@@ -374,10 +378,7 @@ def test_an_inline_batch_behind_a_stalled_store_is_dropped_after_the_bound(
         assert publisher.dropped_submissions == 2 and publisher.inline_batches == 0
     finally:
         stalled.release.set()
-    deadline = time.monotonic() + 10
-    while publisher.published_objects < 1:  # unstuck: it goes on
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _wait_until_published(publisher, 1)  # unstuck: it goes on
     assert publisher.submit([BlockRun(keys[3:5], rows[3 * bs :], 3 * bs)])  # inline again
     assert publisher.inline_batches == 1
     publisher.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -125,10 +125,11 @@ def _in_thread(call: Any, bound: float = 10.0) -> Any:
     return result[0]
 
 
-def _wait_until_published(publisher: Publisher, objects: int) -> None:
+def _wait_for(done: Callable[[], bool], what: str) -> None:
+    """Poll ``done`` until it holds; fails the test after 10 s."""
     deadline = time.monotonic() + 10
-    while publisher.published_objects < objects:
-        assert time.monotonic() < deadline, f"{objects} objects not published within 10 s"
+    while not done():
+        assert time.monotonic() < deadline, f"not within 10 s: {what}"
         time.sleep(0.01)
 
 
@@ -162,7 +163,7 @@ def test_a_stalled_store_never_blocks_the_step_thread_without_a_bound(
         assert publisher.flush([keys[2]]) is None  # dropped: nothing to wait for
     finally:
         stalled.release.set()
-    _wait_until_published(publisher, 2)  # unstuck: it goes on
+    _wait_for(lambda: publisher.published_objects >= 2, "unstuck, it goes on")
     publisher.flush()
     publisher.close()
     assert store.exists(keys) == [True, True, False]
@@ -191,9 +192,7 @@ def test_leases_keep_objects_readable_under_pressure_then_expire(
     out = layout.empty(4 * bs)
     store.read_into(leased, out)  # every other block of the first 100 evicted
     np.testing.assert_array_equal(out, rows)
-    deadline = time.monotonic() + 10
-    while threaded.leased_objects and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for(lambda: not threaded.leased_objects, "the lease ends")
     assert threaded.leased_objects == 0 and store.stats().pinned_objects == 0
     for i in range(400, 700, 10):  # no pin left: the old objects go
         batch = [key_for(namespace, j) for j in range(i, i + 10)]
@@ -347,9 +346,7 @@ def test_a_batch_with_a_lease_goes_to_the_thread_which_ends_the_lease(
         publisher.submit([BlockRun(leased, rows, 0), Lease(leased, 0.05)])
         publisher.flush()
         assert publisher.inline_batches == 0 and store.exists(leased) == [True, True]
-        deadline = time.monotonic() + 10
-        while publisher.leased_objects and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_for(lambda: not publisher.leased_objects, "the lease ends")
         assert publisher.leased_objects == 0 and store.stats().pinned_objects == 0
     finally:
         publisher.close()
@@ -378,7 +375,7 @@ def test_an_inline_batch_behind_a_stalled_store_is_dropped_after_the_bound(
         assert publisher.dropped_submissions == 2 and publisher.inline_batches == 0
     finally:
         stalled.release.set()
-    _wait_until_published(publisher, 1)  # unstuck: it goes on
+    _wait_for(lambda: publisher.published_objects >= 1, "unstuck, it goes on")
     assert publisher.submit([BlockRun(keys[3:5], rows[3 * bs :], 3 * bs)])  # inline again
     assert publisher.inline_batches == 1
     publisher.close()

@@ -448,6 +448,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     begun = time.monotonic()
+    unknown = [
+        c for c in args.configs.split(",") if c.partition("+")[0] not in ("off", "native", "ours")
+    ]
+    if unknown:  # a misspelt base would run as an engine without R3 and count as missing R3
+        parser.error(f"unknown configuration {unknown}: each is off, native or ours[+variant]")
     import torch
 
     cpu = not torch.cuda.is_available()

@@ -710,10 +710,12 @@ def report(configs: list[Config]) -> None:
             )
     for config in configs:
         publisher = getattr(config.worker, "_publisher", None)
-        if publisher is not None and publisher.inline_batches:
+        if publisher is not None:
             print(
-                f"  store batches of {config.name} written inline (in the step thread's "
-                f"figures): {publisher.inline_batches}"
+                f"  store batches of {config.name}: {publisher.inline_batches} written inline "
+                f"(in the step thread's figures), {publisher.thread_batches} handed to the "
+                f"publishing thread ({publisher.thread_batches / config.writer_steps:.2f} "
+                "per step)"
             )
         print(
             f"  store writer thread ({config.writer_thread}) of {config.name}: "

@@ -31,7 +31,7 @@ def store(shm_root: str, layout: R3Layout) -> Iterator[ShmStore]:
 @pytest.fixture(params=[None, 1], ids=["thread", "inline"])
 def publisher(store: ShmStore, request: pytest.FixtureRequest) -> Iterator[Publisher]:
     """Each test that takes it runs with every batch on the publishing thread, and with
-    every batch of blocks written inline (pin changes alone stay on the thread)."""
+    every batch of blocks written inline (pin changes alone too while the thread is idle)."""
     publisher = Publisher(store, inline_from_blocks=request.param)
     yield publisher
     publisher.close()
@@ -380,3 +380,33 @@ def test_an_inline_batch_behind_a_stalled_store_is_dropped_after_the_bound(
     assert publisher.inline_batches == 1
     publisher.close()
     assert store.exists(keys) == [True, False, False, True, True]
+
+
+def test_pin_changes_alone_go_inline_only_while_the_thread_is_idle(
+    store: ShmStore, layout: R3Layout, namespace: Namespace
+) -> None:
+    """A pin change with no blocks (a step's unpins) is written on the caller's thread when
+    the publishing thread has nothing to do, instead of waking it; behind a busy thread it is
+    queued (the caller never waits for it); a store without inline writes never does so."""
+    stalled = _StalledStore(store)
+    publisher = Publisher(stalled, inline_from_blocks=64)  # type: ignore[arg-type]
+    key = key_for(namespace, 0)
+    try:
+        assert publisher.submit([BlockRun([key], rows_for(layout, 0), 0), PinChange([key], True)])
+        time.sleep(0.1)  # the thread hangs in the write
+        assert _in_thread(lambda: publisher.submit([PinChange([key], False)]), bound=0.2)
+        assert publisher.inline_batches == 0 and publisher.thread_batches == 2
+    finally:
+        stalled.release.set()
+    publisher.flush()
+    assert store.stats().pinned_objects == 0
+    assert publisher.submit([PinChange([key], True)])
+    assert publisher.inline_batches == 1 and store.stats().pinned_objects == 1  # no flush
+    publisher.close()
+    threaded = Publisher(store)  # a network store's: every batch on the thread
+    try:
+        assert threaded.submit([PinChange([key], False)])
+        threaded.flush()
+        assert threaded.inline_batches == 0 and store.stats().pinned_objects == 0
+    finally:
+        threaded.close()

@@ -12,7 +12,7 @@ import pytest
 from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
-from vllm_artifact.core.publisher import BlockRun, Publisher
+from vllm_artifact.core.publisher import BlockRun, PinChange, Publisher
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch, StepRows
 from vllm_artifact.core.store import ShmStore
@@ -418,6 +418,44 @@ def test_abort_keeps_published_blocks_and_drops_the_rest(tracker: Parts, layout:
     out = hit(t, "b", hashes("x", 1), BS, rows[BS:])
     assert isinstance(out, EmittedRows)
     np.testing.assert_array_equal(out.rows, rows)
+
+
+def test_a_steps_start_hands_blocks_unpins_and_tails_over_as_one_submission(
+    tracker: Parts, layout: R3Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a step's start the scheduler's updates (newly keyed blocks, evictions, finished
+    requests) reach the publisher as one batch, in that order: one wake-up of its thread."""
+    t, store, publisher = tracker
+    a_hashes, b_hashes = hashes("join-a", 3), hashes("join-b", 2)
+    a_rows, b_rows = rows_for(layout, 31, 3 * BS + 5), rows_for(layout, 32, 2 * BS)
+    t.admit("a", 0)
+    t.add_block_hashes({"a": a_hashes})
+    step(t, "a", 0, a_rows)
+    t.admit("b", 0)
+    step(t, "b", 0, b_rows)  # its blocks wait for their hashes
+    publisher.flush()
+    assert store.stats().pinned_objects == 3
+    seen = submissions_of(publisher, monkeypatch)
+    with t.one_submission():
+        t.add_block_hashes({"b": b_hashes})
+        t.kv_evicted([block_id(a_hashes[0])])
+        t.finish_all([("a", TailBlock(TAIL_HASH, 3 * BS, 5))])
+        assert seen == []  # nothing before the end: a read inside would miss these keys
+    a_keys, b_keys = (full_block_keys(t.namespace, h) for h in (a_hashes, b_hashes))
+    tail_key = tail_block_key(t.namespace, TAIL_HASH, 5)
+    ((*runs,),) = seen
+    assert [(type(run).__name__, list(run.keys)) for run in runs] == [
+        ("BlockRun", b_keys),
+        ("PinChange", b_keys),
+        ("PinChange", a_keys[:1]),
+        ("BlockRun", [tail_key]),
+    ]
+    assert [run.pin for run in runs if isinstance(run, PinChange)] == [True, False]
+    publisher.flush()
+    assert store.stats().pinned_objects == 4  # a's last two blocks and b's two
+    np.testing.assert_array_equal(np.concatenate(store.get(b_keys)), b_rows)
+    (tail,) = store.get([tail_key])
+    np.testing.assert_array_equal(tail, a_rows[3 * BS :])
 
 
 def test_objects_stay_pinned_until_the_kv_cache_evicts_their_block(

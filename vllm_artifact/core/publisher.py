@@ -13,7 +13,9 @@ time, releasing the GIL inside each; a publishing thread waiting for the GIL tak
 and the main thread then sleeps until it gets it back, many times for one large batch
 (docs/benchmarks.md: on an H100 a prefill round's main-thread sleeps fell from about 1,200
 to 470 with its batches written inline). A decode step's few blocks stay on the thread: there
-the main thread has time to spare and the step thread's own time is what counts.
+the main thread has time to spare and the step thread's own time is what counts. Pin changes
+alone (a step's unpins) are index updates: they too are written inline, but only while the
+thread has nothing queued or in hand, so the caller never waits for it.
 
 A failed publication never raises on the step path: it is logged and counted, and the
 affected keys simply stay absent, so a later hit on them fails closed as "missing" for that
@@ -157,6 +159,11 @@ class Publisher:
         return self._published_objects
 
     @property
+    def thread_batches(self) -> int:
+        """Submissions handed to the publishing thread (each wakes it once)."""
+        return self._submitted - self.inline_batches
+
+    @property
     def leased_objects(self) -> int:
         """Objects pinned by leases that have not expired yet."""
         return self._leased
@@ -196,7 +203,9 @@ class Publisher:
             return False
 
     def _goes_inline(self, batch: list[Submission]) -> bool:
-        """Large enough to write inline; never with a lease (the thread times its expiry)."""
+        """Large enough to write inline, or pin changes alone while the thread has nothing to
+        do (index updates, cheaper than waking it); never with a lease (the thread times its
+        expiry)."""
         if self.inline_from_blocks is None:
             return False
         blocks = 0
@@ -205,6 +214,8 @@ class Publisher:
                 blocks += len(run.keys)
             elif isinstance(run, Lease):
                 return False
+        if blocks == 0:
+            return self._finished == self._submitted  # no wait for earlier submissions
         return blocks >= self.inline_from_blocks
 
     def _write_inline(self, batch: list[Submission]) -> bool:

@@ -8,7 +8,11 @@ the integration layer); :meth:`StepPublication.kv_evicted` drops it.
 
 A step's blocks go to the publisher as one submission with their pins after them. Tails of
 requests that finish together go as one more (:meth:`StepPublication.one_tail_submission`),
-with the leases of keys handles around them.
+with the leases of keys handles around them. Inside :meth:`StepPublication.one_submission`
+every submission is joined into one, in order: the start of a step hands over its keyed
+blocks, its unpins and its finished requests' tails as one batch, so the publishing thread
+wakes once for them, not three times (each wake-up can make the engine's main thread wait for
+the GIL while it launches a step's kernels).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class StepPublication:
         self._lease_seconds = lease_seconds
         self._lease_blocks: list[ObjectKey] = []
         self._lease_tails: list[ObjectKey] = []
+        # Submissions joined by :meth:`one_submission`, or None.
+        self._joined: list[BlockRun | PinChange | Lease] | None = None
 
     def claim_pin(self, state: RequestState, index: int) -> bool:
         """Record that the object of the request's block ``index`` is pinned for its KV block;
@@ -107,7 +113,30 @@ class StepPublication:
         pins = [key for run in runs if isinstance(run, PinChange) for key in run.keys]
         if not all(run.pin for run in runs if isinstance(run, PinChange)):
             raise InternalError("a step's publication may only add pins")
-        self._publisher.submit([*blocks, PinChange(pins, pin=True)] if pins else blocks)
+        self._hand([*blocks, PinChange(pins, pin=True)] if pins else blocks)
+
+    @contextlib.contextmanager
+    def one_submission(self) -> Iterator[None]:
+        """Everything submitted inside goes to the publisher as one submission, in order (no
+        reads may happen inside: a joined key is not queued until the end). Nested use joins
+        the outer one."""
+        if self._joined is not None:
+            yield
+            return
+        self._joined = []
+        try:
+            yield
+        finally:
+            runs, self._joined = self._joined, None
+            if runs:
+                self._publisher.submit(runs)
+
+    def _hand(self, runs: Sequence[BlockRun | PinChange | Lease]) -> None:
+        """To the publisher now, or with the joined submission."""
+        if self._joined is not None:
+            self._joined += runs
+        else:
+            self._publisher.submit(runs)
 
     def flush(self, keys: Sequence[ObjectKey]) -> None:
         """Wait until those of ``keys`` still queued are published (or failed)."""
@@ -122,12 +151,12 @@ class StepPublication:
             if key is not None:
                 unpin.append(key)
         if unpin:
-            self._publisher.submit([PinChange(unpin, pin=False)])
+            self._hand([PinChange(unpin, pin=False)])
 
     def kv_cleared(self) -> None:
         """The KV cache dropped every block (prefix-cache reset)."""
         if self._pinned:
-            self._publisher.submit([PinChange(list(self._pinned.values()), pin=False)])
+            self._hand([PinChange(list(self._pinned.values()), pin=False)])
             self._pinned.clear()
 
     @contextlib.contextmanager
@@ -174,7 +203,7 @@ class StepPublication:
         leases += runs
         if tails:
             leases.append(Lease(tails, seconds))
-        self._publisher.submit(leases)
+        self._hand(leases)
 
 
 def _one_array(blocks: list[np.ndarray]) -> np.ndarray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -145,6 +146,11 @@ class RequestTracker:
             at += len(hashes)
             ready += self._publication.keyed_blocks(state)
         self._publication.submit(ready)
+
+    def one_submission(self) -> AbstractContextManager[None]:
+        """The publications, unpins and tails of the calls inside go to the publisher as one
+        submission (a step's start: one wake-up of the publishing thread, not three)."""
+        return self._publication.one_submission()
 
     def kv_evicted(self, block_ids: Iterable[int]) -> None:
         """The KV cache dropped these blocks (ids as ``block_id`` makes them): their objects

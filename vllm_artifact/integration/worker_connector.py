@@ -314,7 +314,7 @@ class ArtifactWorkerConnector:
                 f"the step metadata is a {type(metadata).__name__}, not vllm-artifact's "
                 "(the scheduler is not ours: see --enable-routed-experts)"
             )
-        with self._lock:
+        with self._lock, tracker.one_submission():
             if tracker.set_weight_version(metadata.weight_version):
                 logger.info("vllm-artifact: weight version now %r", metadata.weight_version)
                 if self._store is not None:

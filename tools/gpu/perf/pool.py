@@ -10,13 +10,20 @@ rounds (slowed by py-spy) are left out.
 Per workload and pair, three speed ratios (above 1: the first configuration is faster): the
 whole round (output tokens/s), its median short step (the CUDA-graph decode steps) and its
 median long step (the eager steps that carry prefill, above 1.5x the run's median step);
-each as the median, the geometric mean and its 95% bootstrap interval over rounds.
+each as the median, the geometric mean and its 95% bootstrap interval over rounds. Then, per
+pair, how a round's two halves relate: the correlation over rounds (those in which both took
+the same number of steps) of the log ratio over the first half of its steps with that over the
+second. Near 0, a round's steps scatter
+independently; negative, what one configuration loses in a round's first half it wins back in
+the second (concurrent rounds: the engine that falls behind has the GPU to itself at the end),
+so the whole round's ratio, not a part of it, is the measure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +39,22 @@ def short_step(run: dict[str, Any]) -> float:
 
 def long_step(run: dict[str, Any]) -> float:
     return statistics.median(step_gaps(run)[1] or [float("nan")])
+
+
+def halves(run: dict[str, Any]) -> tuple[float, float]:
+    """Seconds of the first and the second half of the run's steps."""
+    times = [0.0, *(t for t, _ in run["steps"])]
+    middle = (len(times) - 1) // 2
+    return times[middle], times[-1] - times[middle]
+
+
+def correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's r (nan if either side is constant)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else float("nan")
 
 
 #: name -> seconds-like measure of one run (smaller is faster)
@@ -71,6 +94,22 @@ def main() -> None:
                     f"{statistics.median(ratios):.4f}, geometric mean {mean:.4f} "
                     f"(95% {low:.4f}-{high:.4f}), min {ratios[0]:.3f} max {ratios[-1]:.3f}, "
                     f"n={len(ratios)}"
+                )
+            pairs = [
+                (halves(runs[top]), halves(runs[bottom]))
+                for runs in by_round.values()
+                # the same number of steps, so that the halves cover the same steps
+                if top in runs
+                and bottom in runs
+                and len(runs[top]["steps"]) == len(runs[bottom]["steps"]) > 1
+            ]
+            if len(pairs) > 2:
+                first = [math.log(b[0] / a[0]) for a, b in pairs]
+                second = [math.log(b[1] / a[1]) for a, b in pairs]
+                print(
+                    f"{workload:8s} {top}/{bottom} halves    : correlation of the first and the "
+                    f"second half's log ratio {correlation(first, second):+.2f}, "
+                    f"n={len(pairs)}"
                 )
 
 

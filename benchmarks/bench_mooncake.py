@@ -60,7 +60,7 @@ from vllm_artifact_testing.mooncake_master import client_env, mooncake_master, m
 
 from vllm_artifact.core import Namespace, R3Layout, full_block_keys
 from vllm_artifact.core.envelope import HEADER_NBYTES
-from vllm_artifact.core.keys import ObjectKey
+from vllm_artifact.core.keys import ObjectKey, keys_from_joined
 from vllm_artifact.core.store import ObjectStore, ShmStore
 from vllm_artifact.core.store.mooncake import MooncakeStore
 
@@ -124,7 +124,7 @@ def reader_child() -> None:
         if line.strip() == "quit":
             break
         request = json.loads(line)
-        keys = ObjectKey.from_joined(bytes.fromhex(request["keys"]))
+        keys = keys_from_joined(bytes.fromhex(request["keys"]))
         scratch.evict()
         t0 = time.perf_counter()
         store.read_into(keys, out, token_start=0)

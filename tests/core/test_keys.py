@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import pickle
 import re
@@ -20,7 +21,7 @@ from vllm_artifact.core import (
     tail_block_key,
 )
 from vllm_artifact.core import keys as keys_module
-from vllm_artifact.core.keys import KeyCache, keys_to_words
+from vllm_artifact.core.keys import KeyCache, keys_from_joined, keys_to_words, object_key
 from vllm_artifact.errors import SchemaError
 
 LAYOUT = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16)
@@ -31,9 +32,8 @@ HEX = re.compile(r"[0-9a-f]{32}")
 @given(st.binary(min_size=1, max_size=128))
 def test_key_is_bounded_and_name_safe(block_hash: bytes) -> None:
     key = full_block_key(NS, block_hash)
-    assert isinstance(key, ObjectKey) and len(key) == 16
-    assert HEX.fullmatch(key.name)
-    assert "/" not in key.name and key.name not in {".", ".."}
+    assert type(key) is bytes and len(key) == 16
+    assert HEX.fullmatch(key.hex())
 
 
 @given(st.binary(min_size=1, max_size=64), st.binary(min_size=1, max_size=64))
@@ -165,7 +165,7 @@ def test_full_block_keys_matches_single() -> None:
     for ns in (NS, other, NS):  # the keyed hash state is cached per namespace
         keys = full_block_keys(ns, hashes)
         assert keys == [full_block_key(ns, h) for h in hashes]
-        assert all(type(key) is ObjectKey and len(key) == 16 for key in keys)
+        assert all(type(key) is bytes and len(key) == 16 for key in keys)
     assert set(full_block_keys(NS, hashes)).isdisjoint(full_block_keys(other, hashes))
     for bad in (b"", b"x" * 1025, "str"):
         with pytest.raises(SchemaError):
@@ -217,7 +217,8 @@ def test_key_cache_keys_a_hash_once_and_follows_the_namespace(
 
 def test_key_validation() -> None:
     with pytest.raises(SchemaError):
-        ObjectKey(b"short")
+        object_key(b"short")
+    assert object_key(bytearray(16)) == bytes(16)
     with pytest.raises(SchemaError):
         full_block_key(NS, b"")
     with pytest.raises(SchemaError):
@@ -237,7 +238,7 @@ def test_key_validation() -> None:
 def test_key_pickles_and_words_round_trip() -> None:
     keys = full_block_keys(NS, [b"a", b"b"])
     assert pickle.loads(pickle.dumps(keys)) == keys
-    assert type(pickle.loads(pickle.dumps(keys[0]))) is ObjectKey
+    assert type(pickle.loads(pickle.dumps(keys[0]))) is bytes
     words = keys_to_words(keys)
     assert words.shape == (2, 2)
     assert words.tobytes() == b"".join(keys)
@@ -245,8 +246,25 @@ def test_key_pickles_and_words_round_trip() -> None:
 
 def test_from_joined_gives_the_keys_back() -> None:
     keys = full_block_keys(NS, [b"a", b"b", b"c"])
-    split = ObjectKey.from_joined(b"".join(keys))
-    assert split == keys and all(type(key) is ObjectKey for key in split)
-    assert ObjectKey.from_joined(b"") == []
+    split = keys_from_joined(b"".join(keys))
+    assert split == keys and all(type(key) is bytes for key in split)
+    assert keys_from_joined(b"") == []
     with pytest.raises(SchemaError):
-        ObjectKey.from_joined(b"x" * 17)
+        keys_from_joined(b"x" * 17)
+
+
+def test_keys_are_not_objects_the_garbage_collector_tracks() -> None:
+    """An engine keeps tens of thousands of keys (key cache, pins, queued blocks): each would
+    otherwise be walked by every collection of its generation."""
+    cache = KeyCache()
+    made = [
+        full_block_key(NS, b"a"),
+        *full_block_keys(NS, [b"b", b"c"]),
+        *cache.keys_of(NS, [b"d", b"e"]),
+        *cache.keys_of(NS, [b"f"]),
+        tail_block_key(NS, b"g", 3),
+        *keys_from_joined(bytes(32)),
+        object_key(bytes(16)),
+    ]
+    assert [gc.is_tracked(key) for key in made] == [False] * len(made)
+    assert not gc.is_tracked(cache._keys)  # a dict of bytes alone

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vllm_artifact.core.keys import KEY_NBYTES, Namespace, ObjectKey
+from vllm_artifact.core.keys import KEY_NBYTES, Namespace, ObjectKey, keys_from_joined
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import SchemaError
 
@@ -189,7 +189,7 @@ class R3Keys(BaseModel):
         held = (last - first) * bs
         if last == len(self.keys):
             held -= bs - self.last_block_tokens
-        return ObjectKey.from_joined(bytes.fromhex("".join(self.keys[first:last]))), start, held
+        return keys_from_joined(bytes.fromhex("".join(self.keys[first:last]))), start, held
 
     def to_json(self) -> str:
         return self.model_dump_json()

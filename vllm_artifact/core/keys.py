@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import NewType, cast
 
 import numpy as np
 
@@ -36,7 +37,9 @@ __all__ = [
     "check_weight_version",
     "full_block_key",
     "full_block_keys",
+    "keys_from_joined",
     "keys_to_words",
+    "object_key",
     "tail_block_key",
 ]
 
@@ -52,32 +55,26 @@ _PERSON_FULL = b"vart-r3-full-v1"
 _PERSON_TAIL = b"vart-r3-tail-v1"
 
 
-class ObjectKey(bytes):
-    """A 16-byte object key. A ``bytes`` subclass: cheap to hash, join, pickle."""
+#: A 16-byte object key. Plain ``bytes`` at run time (a type for the checker only): an engine
+#: keeps tens of thousands of keys (its key cache, its pins, its queued blocks), and instances
+#: of a ``bytes`` subclass, even one with empty ``__slots__``, are objects the cyclic garbage
+#: collector tracks and walks in every collection of their generation; ``bytes`` are not.
+ObjectKey = NewType("ObjectKey", bytes)
 
-    __slots__ = ()
 
-    def __new__(cls, digest: bytes) -> ObjectKey:
-        if len(digest) != KEY_NBYTES:
-            raise SchemaError(f"ObjectKey must be {KEY_NBYTES} bytes, got {len(digest)}")
-        return super().__new__(cls, digest)
+def object_key(digest: bytes) -> ObjectKey:
+    """``digest`` as a key, checked to be :data:`KEY_NBYTES` bytes (for bytes from outside)."""
+    if len(digest) != KEY_NBYTES:
+        raise SchemaError(f"an object key must be {KEY_NBYTES} bytes, got {len(digest)}")
+    return ObjectKey(bytes(digest))
 
-    @classmethod
-    def from_joined(cls, joined: bytes) -> list[ObjectKey]:
-        """The keys of a concatenation of keys (one length check for all of them: thousands
-        of keys are read back per request on the keys path)."""
-        if len(joined) % KEY_NBYTES:
-            raise SchemaError(f"{len(joined)} bytes are not a whole number of keys")
-        new = bytes.__new__
-        return [new(cls, joined[i : i + KEY_NBYTES]) for i in range(0, len(joined), KEY_NBYTES)]
 
-    @property
-    def name(self) -> str:
-        """Hex form; safe as a file or log name."""
-        return self.hex()
-
-    def __repr__(self) -> str:
-        return f"ObjectKey({self.hex()})"
+def keys_from_joined(joined: bytes) -> list[ObjectKey]:
+    """The keys of a concatenation of keys (one length check for all of them: thousands of
+    keys are read back per request on the keys path)."""
+    if len(joined) % KEY_NBYTES:
+        raise SchemaError(f"{len(joined)} bytes are not a whole number of keys")
+    return [ObjectKey(joined[i : i + KEY_NBYTES]) for i in range(0, len(joined), KEY_NBYTES)]
 
 
 def _field(value: str, what: str) -> bytes:
@@ -179,15 +176,14 @@ def full_block_keys(namespace: Namespace, block_hashes: Iterable[bytes]) -> list
     :func:`full_block_key`, made from one keyed hash state copied per key (the worker makes
     tens of keys per engine step)."""
     keyed = _full_block_hasher(namespace.digest)
-    new = bytes.__new__
     out = []
     for block_hash in block_hashes:
         if type(block_hash) is not bytes or not 1 <= len(block_hash) <= _MAX_BLOCK_HASH_NBYTES:
             block_hash = _check_hash(block_hash)
         state = keyed.copy()
         state.update(block_hash)
-        out.append(new(ObjectKey, state.digest()))  # 16 bytes by construction
-    return out
+        out.append(state.digest())  # 16 bytes by construction
+    return cast("list[ObjectKey]", out)
 
 
 @lru_cache(maxsize=16)

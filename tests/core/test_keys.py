@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import pickle
-import re
 from typing import Any
 
 import pytest
@@ -26,14 +25,12 @@ from vllm_artifact.errors import SchemaError
 
 LAYOUT = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16)
 NS = Namespace("m", LAYOUT, "v1")
-HEX = re.compile(r"[0-9a-f]{32}")
 
 
 @given(st.binary(min_size=1, max_size=128))
-def test_key_is_bounded_and_name_safe(block_hash: bytes) -> None:
+def test_key_is_sixteen_plain_bytes(block_hash: bytes) -> None:
     key = full_block_key(NS, block_hash)
     assert type(key) is bytes and len(key) == 16
-    assert HEX.fullmatch(key.hex())
 
 
 @given(st.binary(min_size=1, max_size=64), st.binary(min_size=1, max_size=64))

@@ -13,10 +13,9 @@ median long step (the eager steps that carry prefill, above 1.5x the run's media
 each as the median, the geometric mean and its 95% bootstrap interval over rounds. Then, per
 pair, how a round's two halves relate: the correlation over rounds (those in which both took
 the same number of steps) of the log ratio over the first half of its steps with that over the
-second. Near 0, a round's steps scatter
-independently; negative, what one configuration loses in a round's first half it wins back in
-the second (concurrent rounds: the engine that falls behind has the GPU to itself at the end),
-so the whole round's ratio, not a part of it, is the measure.
+second. Near 0, a round's steps scatter independently; negative, what one configuration loses
+in a round's first half it wins back in the second (in concurrent rounds, as if the engine that
+fell behind had the GPU to itself at the end), so only the whole round's ratio is a measure.
 """
 
 from __future__ import annotations

@@ -56,6 +56,25 @@ def test_blocks_then_tail() -> None:
     assert "r" not in buf and buf.nbytes == 0
 
 
+def test_blocks_that_join_nothing_buffered_are_views_of_the_appended_rows() -> None:
+    """A prefill chunk's completed blocks are not copied unless they join rows buffered by an
+    earlier call (a step's rows are fresh every step and never written again)."""
+    buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
+    chunk = rows(0, 9)
+    full = buf.append("r", 0, chunk)  # blocks 0-1; row 8 stays buffered
+    np.testing.assert_array_equal(full.rows, rows(0, 8))
+    assert np.shares_memory(full.rows, chunk)
+    chunk = rows(9, 13)
+    full = buf.append("r", 9, chunk)  # block 2 joins the buffered row 8: a fresh array
+    np.testing.assert_array_equal(full.rows, rows(8, 12))
+    assert not np.shares_memory(full.rows, chunk)
+    chunk = rows(6, 14)  # a hit that ends inside block 1, which can never be complete
+    full = buf.append("s", 6, chunk)
+    assert (full.first_block, full.num_blocks) == (2, 1)
+    np.testing.assert_array_equal(full.rows, rows(8, 12))
+    assert np.shares_memory(full.rows, chunk)
+
+
 def test_prefix_hit_start_and_aligned_tail() -> None:
     buf = RequestRowBuffer(LAYOUT, max_bytes=1 << 16)
     full = buf.append("r", 8, rows(8, 16))  # blocks 0-1 came from the prefix cache

@@ -51,7 +51,8 @@ _INITIAL_SLOTS = 16
 
 class FullBlocks(NamedTuple):
     """Rows of newly completed full blocks: ``rows[i*bs:(i+1)*bs]`` is block
-    ``first_block + i``. ``rows`` is a fresh array the caller owns."""
+    ``first_block + i``. ``rows`` is the caller's to keep: a view of the rows it appended when
+    none of them joins rows buffered before, else a fresh array."""
 
     first_block: int
     num_blocks: int
@@ -149,6 +150,8 @@ class RequestRowBuffer:
         The first call for a request may start anywhere (prefix-cache hit). Later calls may
         start at or before the buffered end; rows from ``token_start`` on replace what was
         buffered there (recomputation). Rows below the last handed-out block are dropped.
+        ``rows`` must not be written after the call: the blocks returned may be views of it
+        (a step's rows are fresh every step; a prefill chunk's blocks are most of them).
         """
         rows = self._layout.check_rows(rows)
         if token_start < 0:
@@ -182,11 +185,15 @@ class RequestRowBuffer:
             return FullBlocks(-(-floor // bs), 0, self._layout.empty(0))
         # Blocks [first, last) are complete; a block the request began inside never is.
         first, last = -(-floor // bs), new_block_start // bs
-        out = self._layout.empty(max(last - first, 0) * bs, self._arrays)
-        if len(out):
-            lo = first * bs
-            held = max(start - lo, 0)  # rows of block ``first`` buffered by earlier calls
-            # Copies that keep the GIL (copy_rows_into): a prefill chunk's blocks are many.
+        lo = first * bs
+        held = max(start - lo, 0)  # rows of block ``first`` buffered by earlier calls
+        if last <= first:
+            out = self._layout.empty(0)
+        elif not held:  # nothing to join: the caller's rows as they are (C-contiguous)
+            out = rows[lo - start : last * bs - start]
+        else:
+            out = self._layout.empty((last - first) * bs, self._arrays)
+            # Copies that keep the GIL (copy_rows_into).
             copy_rows_into(out[:held], self._rows[slot, lo - block_start : start - block_start])
             copy_rows_into(out[held:], rows[lo + held - start : last * bs - start])
         remainder = rows[new_block_start - start :]

@@ -49,11 +49,10 @@ def halves(run: dict[str, Any]) -> tuple[float, float]:
 
 def correlation(xs: list[float], ys: list[float]) -> float:
     """Pearson's r (nan if either side is constant)."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    return sxy / math.sqrt(sxx * syy) if sxx and syy else float("nan")
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return float("nan")
 
 
 #: name -> seconds-like measure of one run (smaller is faster)

@@ -73,6 +73,29 @@ def thread_key(name: str) -> str:
     return re.sub(r":\d+$", "", name)
 
 
+def publish_rate(timed: list[dict[str, Any]], workload: str, config: str) -> str:
+    """The store's publish rate against the tokens the engine computed, per round (medians).
+    A round's store counts are differences: once the store is full, what it publishes it
+    evicts, so objects published = objects added + objects evicted."""
+    rounds = [
+        r for r in timed if r["workload"] == workload and r["config"] == config and r.get("store")
+    ]
+    published = [(r["store"]["objects"] + r["store"]["evictions"]) / r["seconds"] for r in rounds]
+    sized = [r["store"] for r in rounds if r["store"]["objects"] > 0]
+    object_nbytes = sized[0]["bytes_used"] / sized[0]["objects"] if sized else 0.0
+    computed = statistics.median(
+        (r["prompt_tokens"] - r["cached_tokens"] + r["out_tokens"]) / r["seconds"] for r in rounds
+    )
+    reads = statistics.median(r["store"].get("reads", 0) / r["seconds"] for r in rounds)
+    rate = statistics.median(published)
+    return (
+        f"store (median over {len(rounds)} rounds): {rate:,.0f} objects/s published "
+        f"({rate * object_nbytes / 1e6:.1f} MB/s at {object_nbytes:,.0f} bytes each), "
+        f"{reads:,.0f} objects/s read, against {computed:,.0f} computed tokens/s (prompt "
+        "tokens not cached, plus output)"
+    )
+
+
 def per_thread_median(runs: list[dict[str, Any]], field: str = "threads_cpu_s") -> dict[str, float]:
     """Median over runs of ``field`` (CPU seconds, voluntary switches or page faults) per
     (role, thread name), threads of one name summed."""
@@ -287,6 +310,7 @@ def main() -> None:
                     f"  {config} store per round: {store[0]} for {run['out_tokens']} output, "
                     f"{run['prompt_tokens']} prompt tokens"
                 )
+                print(f"  {config} {publish_rate(timed, workload, config)}")
         profiles = {c: folder / f"{c}-{workload}-engine0.txt" for c in configs}
         fronts = {c: folder / f"{c}-{workload}-frontend.txt" for c in configs}
         for role, files in (("engine core", profiles), ("frontend", fronts)):

@@ -109,11 +109,19 @@ def cell_pd(context: Context) -> Verdict:
             "kv_connector_extra_config": {"shared_storage_path": str(storage)},
         }
         # One forward per prompt: ExampleConnector saves only the last chunk of a prefill.
-        return {
+        args: dict[str, Any] = {
             "kv_transfer_config": transfer,
             "disable_log_stats": False,
             "max_num_batched_tokens": 1024,
         }
+        if kv_role == "kv_consumer":
+            # The consumer computes only the prompt's last partial block, a step Model Runner
+            # V2 replays as a full CUDA graph, and there it starts KV loads outside the
+            # forward context: ExampleConnector then loads nothing ("In
+            # connector.start_load_kv, but the attn_metadata is None"). Eager, it loads.
+            args["enforce_eager"] = True
+            args["compilation_config"] = {"mode": 0, "custom_ops": ["none"]}
+        return args
 
     prompt = long_prompt("Disaggregated")
     try:
@@ -138,9 +146,18 @@ def cell_pd(context: Context) -> Verdict:
         )
     if reads <= 0:
         problems.append("the consumer's prompt R3 was not read from the store")
-    rows = len(prefilled["routed_experts"])
-    if not np.array_equal(decoded["routed_experts"][:rows], prefilled["routed_experts"]):
-        problems.append("the consumer's prompt R3 differs from the producer's")
+    rows, served = len(prefilled["routed_experts"]), int(decoded["num_cached_tokens"])
+    mine, theirs = decoded["routed_experts"][:rows], prefilled["routed_experts"]
+    if not np.array_equal(mine[:served], theirs[:served]):
+        problems.append(
+            f"the R3 of the {served} tokens the KV connector served (read from the store) "
+            "differs from the producer's"
+        )
+    if not np.array_equal(mine[served:], theirs[served:]):
+        problems.append(
+            f"the R3 of the prompt tokens the consumer computed ({served}-{rows}) differs from "
+            "the producer's: did the KV connector load the KV? (its log)"
+        )
     evidence = {
         "kv connector": f"{consumer['config']['kv_transfer']} in the worker: "
         f"{workers(consumer, 'kv_connector')}",

@@ -258,6 +258,8 @@ def profile(
 
 #: the ratios reported, first over second ("ours+nocap" prices vLLM's capture itself)
 PAIRS = (
+    ("off+twin", "off"),  # A/A: how far the measure strays with nothing changed
+    ("ours+twin", "ours"),
     ("ours", "off"),
     ("native", "off"),
     ("ours", "native"),
@@ -275,6 +277,7 @@ PAIRS = (
 RIGHT_R3 = (
     "native",
     "ours",
+    "ours+twin",
     "ours+pinnedviews",
     "ours+perlayer",
     "ours+fresh",

@@ -451,7 +451,8 @@ class Worker:
         # "ours+fresh", row arrays in fresh memory, not reused; "ours+background", every batch
         # published on the background thread; "ours+allinline", every batch of blocks inline;
         # "+copyframes", the engine's ZMQ frames copied, never zero-copy (these: R3 right,
-        # driver.RIGHT_R3)
+        # driver.RIGHT_R3); "+twin", nothing changed: a second engine of the same
+        # configuration in the same rounds, an A/A control of the measure itself
         self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root
@@ -508,6 +509,8 @@ class Worker:
                 applied += self.llm.collective_rpc(all_inline)
             elif variant == "copyframes":
                 applied += self.llm.collective_rpc(copied_frames)
+            elif variant == "twin":
+                applied.append("twin: unchanged")
             else:
                 raise ValueError(f"unknown variant {variant!r} of {self.base}")
         return {

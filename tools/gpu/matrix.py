@@ -1,6 +1,6 @@
 """GPU runtime-matrix cells the self-test does not cover, each checked against the oracle.
 
-    python3 tools/gpu/matrix.py --engine-args JSON --out DIR [--cells bf16,eagle,offload,restart]
+    python3 tools/gpu/matrix.py --engine-args JSON --out DIR [--cells bf16,eagle,offload,restart,pd]
 
 * ``bf16``: the self-test's prompts (batch, chunked prefill, prefix hit) in bfloat16 with our
   plugin and with vLLM's own capture (our plugin excluded by ``VLLM_PLUGINS``), compared row by
@@ -12,6 +12,10 @@
   whose GPU KV was evicted comes back from the CPU tier, and its R3 from our store.
 * ``restart``: an engine serves, stops (cleanly; then SIGKILLed), a second engine opens the same
   ``artifact_root`` and serves old and new prompts; the store scrubs clean.
+* ``pd``: prefill/decode through vLLM's ``ExampleConnector``: a producer saves a prompt's KV, a
+  consumer on the same store root loads it and reads the prompt's R3 from the store; the rows
+  it was served and the rows it computed are each compared with the producer's. The consumer
+  runs eager (``matrix_kv_cells.cell_pd`` says why).
 
 Every engine runs in a process of its own (``matrix_jobs.py``), one after the other. Prints each
 cell's rows equal / rows, its evidence and PASS, FAIL or NOT RUNNABLE (with vLLM's message);

@@ -88,9 +88,14 @@ def publish_rate(timed: list[dict[str, Any]], workload: str, config: str) -> str
     )
     reads = statistics.median(r["store"].get("reads", 0) / r["seconds"] for r in rounds)
     rate = statistics.median(published)
+    volume = (
+        f"{rate * object_nbytes / 1e6:.1f} MB/s at {object_nbytes:,.0f} bytes each"
+        if object_nbytes
+        else "bytes unknown: no round added objects"
+    )
     return (
         f"store (median over {len(rounds)} rounds): {rate:,.0f} objects/s published "
-        f"({rate * object_nbytes / 1e6:.1f} MB/s at {object_nbytes:,.0f} bytes each), "
+        f"({volume}), "
         f"{reads:,.0f} objects/s read, against {computed:,.0f} computed tokens/s (prompt "
         "tokens not cached, plus output)"
     )

@@ -96,6 +96,9 @@ for phase in "$@"; do
         matrix)  # bf16 vs vLLM's own, EAGLE, native CPU KV offload, restart (tools/gpu/matrix.py)
             python3 tools/gpu/matrix.py --engine-args "$ENGINE_ARGS" --out "$OUT/matrix" \
                 ${MATRIX_FLAGS:-} 2>&1 | tee "$OUT/matrix.log" | grep -v " INFO " || status=1
+            # the engines' job specs and pickled results: matrix.json holds what they found,
+            # and the device tool brings back no folder this deep
+            rm -rf "$OUT/matrix/jobs"
             ;;
         mtp)  # MTP speculative decoding on the tiny GLM-4.5-style model (tools/gpu/mtp_check.py)
             python3 tools/gpu/mtp_check.py --engine-args "$ENGINE_ARGS" --json "$OUT/mtp.json" \

@@ -73,13 +73,11 @@ def thread_key(name: str) -> str:
     return re.sub(r":\d+$", "", name)
 
 
-def publish_rate(timed: list[dict[str, Any]], workload: str, config: str) -> str:
-    """The store's publish rate against the tokens the engine computed, per round (medians).
-    A round's store counts are differences: once the store is full, what it publishes it
-    evicts, so objects published = objects added + objects evicted."""
-    rounds = [
-        r for r in timed if r["workload"] == workload and r["config"] == config and r.get("store")
-    ]
+def publish_rate(rounds: list[dict[str, Any]]) -> str:
+    """The store's publish rate against the tokens the engine computed, per round (medians
+    over ``rounds``, one configuration's with store counts). A round's store counts are
+    differences: once the store is full, what it publishes it evicts, so objects published =
+    objects added + objects evicted."""
     published = [(r["store"]["objects"] + r["store"]["evictions"]) / r["seconds"] for r in rounds]
     sized = [r["store"] for r in rounds if r["store"]["objects"] > 0]
     object_nbytes = sized[0]["bytes_used"] / sized[0]["objects"] if sized else 0.0
@@ -304,18 +302,14 @@ def main() -> None:
                 if max(counts[c].get(key, 0) for c in configs) > 50:
                     print(f"    {key[:44]:<44} {cells}")
         for config in configs:
-            store = [
-                r["store"]
-                for r in timed
-                if r["workload"] == workload and r["config"] == config and r.get("store")
-            ]
-            if store:
-                run = next(r for r in timed if r["workload"] == workload and r["config"] == config)
+            rounds = [r for r in this if r["config"] == config and r.get("store")]
+            if rounds:
+                run = next(r for r in this if r["config"] == config)
                 print(
-                    f"  {config} store per round: {store[0]} for {run['out_tokens']} output, "
-                    f"{run['prompt_tokens']} prompt tokens"
+                    f"  {config} store per round: {rounds[0]['store']} for {run['out_tokens']} "
+                    f"output, {run['prompt_tokens']} prompt tokens"
                 )
-                print(f"  {config} {publish_rate(timed, workload, config)}")
+                print(f"  {config} {publish_rate(rounds)}")
         profiles = {c: folder / f"{c}-{workload}-engine0.txt" for c in configs}
         fronts = {c: folder / f"{c}-{workload}-frontend.txt" for c in configs}
         for role, files in (("engine core", profiles), ("frontend", fronts)):

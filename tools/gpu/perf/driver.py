@@ -19,6 +19,7 @@ an experiment that prices the capture itself (its R3 is wrong by design).
     python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
         [--workloads decode,prefill] [--concurrent] [--profile] [--torch-profile]
         [--python-profile] [--cpus auto] [--model DIR] [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
+        [--repeat 1]
 
 On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
 DeepSeek-V3's R3 shape (58 MoE layers, 256 experts, top-8, hidden 256), bf16, full CUDA
@@ -392,6 +393,13 @@ def main() -> int:
     parser.add_argument("--workloads", default="decode,prefill")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--scale", type=float, default=None, help="workload size factor")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="a round runs the workload this many times over (new ids each): longer rounds "
+        "of the same shape, so what one round's end adds weighs less in its ratio",
+    )
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/perf-models"))
     parser.add_argument(
@@ -504,6 +512,7 @@ def main() -> int:
                     "engine_args": engine_args,
                     "model": str(model),
                     "scale": scale,
+                    "repeat": args.repeat,
                     "cpus": sorted(cpus) if cpus else None,
                     "concurrent": args.concurrent,
                     "spy_rate": args.rate,  # py-spy samples a second: analyze.py's seconds
@@ -535,6 +544,7 @@ def main() -> int:
                     "workload": workload,
                     "seed": 1000 * rnd + w,
                     "waits": args.wait_sampler,
+                    "repeat": args.repeat,
                 }
                 # --concurrent: every configuration's round starts now and runs at once
                 sent = (

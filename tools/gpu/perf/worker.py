@@ -35,15 +35,19 @@ def reply(**fields: Any) -> None:
 
 
 def workload_prompts(
-    name: str, seed: int, scale: float, count: int | None = None
+    name: str, seed: int, scale: float, count: int | None = None, repeat: int = 1
 ) -> tuple[list[list[int]], int]:
     """Token-id prompts and output length of a workload (random ids, fresh per seed, the
-    same for every configuration of a round); ``count`` keeps only the first prompts."""
+    same for every configuration of a round); ``count`` keeps only the first prompts;
+    ``repeat`` makes the round that many workloads long, one after another, each with its own
+    ids (the first is the workload of ``repeat=1``): a longer round of the same shape."""
     prompts, max_tokens = _workload(name, seed, scale)
+    for part in range(1, repeat):
+        prompts += _workload(name, [seed, part], scale)[0]
     return prompts[:count], max_tokens
 
 
-def _workload(name: str, seed: int, scale: float) -> tuple[list[list[int]], int]:
+def _workload(name: str, seed: int | list[int], scale: float) -> tuple[list[list[int]], int]:
     rng = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
@@ -540,8 +544,10 @@ class Worker:
         self.llm.reset_prefix_cache()
         return {"warm_s": time.perf_counter() - started}
 
-    def run(self, workload: str, seed: int, scale: float, waits: bool = False) -> dict[str, Any]:
-        prompts, max_tokens = workload_prompts(workload, seed, scale)
+    def run(
+        self, workload: str, seed: int, scale: float, waits: bool = False, repeat: int = 1
+    ) -> dict[str, Any]:
+        prompts, max_tokens = workload_prompts(workload, seed, scale, repeat=repeat)
         sampler = WaitSampler(self.engine_pids[0]) if waits and self.engine_pids else None
         self.llm.reset_prefix_cache()
         before_store = store_counts(self.llm) if self.base == "ours" else {}
@@ -597,6 +603,7 @@ class Worker:
         return {
             "workload": workload,
             "seed": seed,
+            "repeat": repeat,
             "config": self.config,
             "seconds": seconds,
             "out_tokens": out_tokens,
@@ -711,6 +718,7 @@ def main() -> None:
                         command["seed"],
                         command["scale"],
                         command.get("waits", False),
+                        command.get("repeat", 1),
                     ),
                 )
             elif command["cmd"] == "torch_profile":

@@ -9,7 +9,7 @@ rounds (slowed by py-spy) are left out.
 
 Per workload and pair, three speed ratios (above 1: the first configuration is faster): the
 whole round (output tokens/s), its median short step (the CUDA-graph decode steps) and its
-median long step (the eager steps that carry prefill, above 1.5x the run's median step);
+median long step (the eager steps that carry prefill, ``analyze.step_gaps``);
 each as the median, the geometric mean and its 95% bootstrap interval over rounds. Then, per
 pair, how a round's two halves relate: the correlation over rounds (those in which both took
 the same number of steps) of the log ratio over the first half of its steps with that over the

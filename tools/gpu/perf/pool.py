@@ -16,6 +16,10 @@ the same number of steps) of the log ratio over the first half of its steps with
 second. Near 0, a round's steps scatter independently; negative, what one configuration loses
 in a round's first half it wins back in the second (in concurrent rounds, as if the engine that
 fell behind had the GPU to itself at the end), so only the whole round's ratio is a measure.
+And per pair, for the whole round: the standard deviation of a round's log ratio with the
+rounds a 95% interval of +-1% and +-0.5% needs at that scatter, and with several runs each
+run's geometric mean apart (runs have disagreed by more than their intervals: pooling hides
+that, this shows it; a run's ``--repeat`` is named, as rounds of other lengths scatter apart).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import argparse
 import json
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,17 @@ def correlation(xs: list[float], ys: list[float]) -> float:
         return float("nan")
 
 
+def scatter(ratios: Iterable[float]) -> str:
+    """The standard deviation of the rounds' log ratios, and the rounds a 95% interval of
+    +-1% and +-0.5% needs at that scatter (a normal approximation of the bootstrap's)."""
+    sd = statistics.stdev(math.log(r) for r in ratios)
+    need = [math.ceil((1.96 * sd / math.log(1 + half)) ** 2) for half in (0.01, 0.005)]
+    return (
+        f"standard deviation of a round's log ratio {sd:.4f}; rounds for a 95% interval of "
+        f"+-1%: {need[0]}, of +-0.5%: {need[1]}"
+    )
+
+
 #: name -> seconds-like measure of one run (smaller is faster)
 PARTS: dict[str, Callable[[dict[str, Any]], float]] = {
     "round": lambda run: 1 / run["out_tok_s"],
@@ -68,8 +83,11 @@ def main() -> None:
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     rounds: dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]] = {}
+    repeats: dict[int, int] = {}
     for index, path in enumerate(args.runs):
-        for result in json.loads(path.read_text())["results"]:
+        run = json.loads(path.read_text())
+        repeats[index] = run.get("repeat", 1)
+        for result in run["results"]:
             if result.get("profiled") or not result.get("steps"):
                 continue
             by_round = rounds.setdefault(result["workload"], {})
@@ -93,6 +111,22 @@ def main() -> None:
                     f"(95% {low:.4f}-{high:.4f}), min {ratios[0]:.3f} max {ratios[-1]:.3f}, "
                     f"n={len(ratios)}"
                 )
+            round_ratios = {
+                key: PARTS["round"](runs[bottom]) / PARTS["round"](runs[top])
+                for key, runs in by_round.items()
+                if top in runs and bottom in runs
+            }
+            if len(round_ratios) > 2:
+                print(f"{workload:8s} {top}/{bottom} scatter   : {scatter(round_ratios.values())}")
+            for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
+                mine = [r for (run, _), r in round_ratios.items() if run == index]
+                if len(mine) > 1:
+                    mean, low, high = geomean_ci(mine)
+                    print(
+                        f"{workload:8s} {top}/{bottom} run {index + 1}     : geometric mean "
+                        f"{mean:.4f} (95% {low:.4f}-{high:.4f}), n={len(mine)}, repeat "
+                        f"{repeats.get(index, 1)} ({path})"
+                    )
             pairs = [
                 (halves(runs[top]), halves(runs[bottom]))
                 for runs in by_round.values()

@@ -464,6 +464,8 @@ def main() -> int:
     ]
     if unknown:  # a misspelt base would run as an engine without R3 and count as missing R3
         parser.error(f"unknown configuration {unknown}: each is off, native or ours[+variant]")
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: a round runs the workload at least once")
     import torch
 
     cpu = not torch.cuda.is_available()

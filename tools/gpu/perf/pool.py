@@ -85,9 +85,9 @@ def main() -> None:
     rounds: dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]] = {}
     repeats: dict[int, int] = {}
     for index, path in enumerate(args.runs):
-        run = json.loads(path.read_text())
-        repeats[index] = run.get("repeat", 1)
-        for result in run["results"]:
+        saved = json.loads(path.read_text())
+        repeats[index] = saved.get("repeat", 1)
+        for result in saved["results"]:
             if result.get("profiled") or not result.get("steps"):
                 continue
             by_round = rounds.setdefault(result["workload"], {})
@@ -119,7 +119,7 @@ def main() -> None:
             if len(round_ratios) > 2:
                 print(f"{workload:8s} {top}/{bottom} scatter   : {scatter(round_ratios.values())}")
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
-                mine = [r for (run, _), r in round_ratios.items() if run == index]
+                mine = [r for (run_index, _), r in round_ratios.items() if run_index == index]
                 if len(mine) > 1:
                     mean, low, high = geomean_ci(mine)
                     print(

@@ -19,7 +19,7 @@ an experiment that prices the capture itself (its R3 is wrong by design).
     python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
         [--workloads decode,prefill] [--concurrent] [--profile] [--torch-profile]
         [--python-profile] [--cpus auto] [--model DIR] [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
-        [--repeat 1]
+        [--repeat N|prefill=4,decode=1]
 
 On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
 DeepSeek-V3's R3 shape (58 MoE layers, 256 experts, top-8, hidden 256), bf16, full CUDA
@@ -321,6 +321,22 @@ def paired(results: list[dict[str, Any]], workload: str, a: str, b: str) -> list
     return [by[(a, s)]["out_tok_s"] / by[(b, s)]["out_tok_s"] for s in seeds]
 
 
+def parse_repeat(text: str, workloads: list[str]) -> dict[str, int]:
+    """``--repeat``: ``N`` for every workload, or ``workload=N,...`` (the others once)."""
+    if "=" not in text:
+        repeats = dict.fromkeys(workloads, int(text))
+    else:
+        repeats = dict.fromkeys(workloads, 1)
+        for item in text.split(","):
+            name, _, count = item.partition("=")
+            if name not in repeats:
+                raise ValueError(f"{name!r} is not one of the workloads run ({workloads})")
+            repeats[name] = int(count)
+    if min(repeats.values()) < 1:
+        raise ValueError("a round runs each workload at least once")
+    return repeats
+
+
 def geomean_ci(ratios: list[float], draws: int = 4000) -> tuple[float, float, float]:
     """Geometric mean of paired ratios with a 95% bootstrap interval (fixed seed): a goal is
     resolved when the whole interval lies on one side of it."""
@@ -395,10 +411,10 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=None, help="workload size factor")
     parser.add_argument(
         "--repeat",
-        type=int,
-        default=1,
+        default="1",
         help="a round runs the workload this many times over (new ids each): longer rounds "
-        "of the same shape, so what one round's end adds weighs less in its ratio",
+        "of the same shape, so what one round's end adds weighs less in its ratio; N for "
+        "every workload or per workload, e.g. prefill=4,decode=1",
     )
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/perf-models"))
@@ -464,8 +480,10 @@ def main() -> int:
     ]
     if unknown:  # a misspelt base would run as an engine without R3 and count as missing R3
         parser.error(f"unknown configuration {unknown}: each is off, native or ours[+variant]")
-    if args.repeat < 1:
-        parser.error(f"--repeat {args.repeat}: a round runs the workload at least once")
+    try:
+        repeats = parse_repeat(args.repeat, args.workloads.split(","))
+    except ValueError as error:
+        parser.error(f"--repeat {args.repeat}: {error}")
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -514,7 +532,7 @@ def main() -> int:
                     "engine_args": engine_args,
                     "model": str(model),
                     "scale": scale,
-                    "repeat": args.repeat,
+                    "repeat": repeats,
                     "cpus": sorted(cpus) if cpus else None,
                     "concurrent": args.concurrent,
                     "spy_rate": args.rate,  # py-spy samples a second: analyze.py's seconds
@@ -546,7 +564,7 @@ def main() -> int:
                     "workload": workload,
                     "seed": 1000 * rnd + w,
                     "waits": args.wait_sampler,
-                    "repeat": args.repeat,
+                    "repeat": repeats[workload],
                 }
                 # --concurrent: every configuration's round starts now and runs at once
                 sent = (

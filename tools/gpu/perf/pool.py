@@ -83,13 +83,12 @@ def main() -> None:
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     rounds: dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]] = {}
-    repeats: dict[int, int] = {}
+    repeats: dict[tuple[int, str], int] = {}  # (run, workload) -> its rounds' --repeat
     for index, path in enumerate(args.runs):
-        saved = json.loads(path.read_text())
-        repeats[index] = saved.get("repeat", 1)
-        for result in saved["results"]:
+        for result in json.loads(path.read_text())["results"]:
             if result.get("profiled") or not result.get("steps"):
                 continue
+            repeats[index, result["workload"]] = result.get("repeat", 1)
             by_round = rounds.setdefault(result["workload"], {})
             by_round.setdefault((index, result["seed"]), {})[result["config"]] = result
     print(f"per-round speed ratios, {len(args.runs)} runs pooled")
@@ -125,7 +124,7 @@ def main() -> None:
                     print(
                         f"{workload:8s} {top}/{bottom} run {index + 1}     : geometric mean "
                         f"{mean:.4f} (95% {low:.4f}-{high:.4f}), n={len(mine)}, repeat "
-                        f"{repeats.get(index, 1)} ({path})"
+                        f"{repeats.get((index, workload), 1)} ({path})"
                     )
             pairs = [
                 (halves(runs[top]), halves(runs[bottom]))

@@ -85,6 +85,9 @@ for phase in "$@"; do
         perf)  # off / vLLM's own / ours side by side, bf16, full CUDA graphs (tools/gpu/perf)
             # the driver writes into $OUT as it goes: a run cut short still brings its rounds back
             python3 tools/gpu/perf/floor.py | tee "$OUT/perf-floor.txt"
+            # the card and the CPUs the figures come from (calls land on different machines)
+            { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+              grep -m1 "model name" /proc/cpuinfo; nproc; } > "$OUT/perf-machine.txt" 2>&1 || true
             # PERF_TIMEOUT (s) interrupts the driver, profiled rounds included, so that the tar
             # below still runs within the call's limit (at most 8 files come back untarred).
             timeout -k 20 -s INT "${PERF_TIMEOUT:-0}" \

@@ -1,0 +1,87 @@
+"""Tests for the GPU throughput harness's pure parts (``tools/gpu/perf``).
+
+The GPU figures in ``docs/benchmarks.md`` rest on them: which prompts a round runs, how the
+frontend's step trace splits into eager and decode steps, how ``--repeat`` is read, and how
+many rounds a resolution needs. They run without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+PERF = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "perf"
+sys.path.insert(0, str(PERF))
+
+import analyze  # noqa: E402  (beside the scripts, as they import each other)
+import driver  # noqa: E402
+import pool  # noqa: E402
+import worker  # noqa: E402
+
+
+def test_repeat_keeps_the_first_workload_and_adds_new_ones_of_its_shape() -> None:
+    single, tokens = worker.workload_prompts("prefill", 7, 1.0)
+    repeated, repeated_tokens = worker.workload_prompts("prefill", 7, 1.0, repeat=3)
+    assert repeated_tokens == tokens == 16
+    assert len(single) == 128 and len(repeated) == 3 * 128
+    assert repeated[:128] == single  # a round of repeat 1 is the first part
+    # each part: 4 shared 1536-token prefixes, its own ids
+    for part in (1, 2):
+        prompts = repeated[128 * part : 128 * (part + 1)]
+        assert {len(p) for p in prompts} == {2048}
+        assert len({tuple(p[:1536]) for p in prompts}) == 4
+        assert prompts[0][:1536] != single[0][:1536]
+    assert repeated[128][:1536] != repeated[256][:1536]
+    # the same round for every configuration
+    assert worker.workload_prompts("prefill", 7, 1.0, repeat=3)[0] == repeated
+
+
+def test_repeat_is_read_for_every_workload_or_per_workload() -> None:
+    workloads = ["decode", "prefill"]
+    assert driver.parse_repeat("4", workloads) == {"decode": 4, "prefill": 4}
+    assert driver.parse_repeat("prefill=4", workloads) == {"decode": 1, "prefill": 4}
+    assert driver.parse_repeat("decode=2,prefill=3", workloads) == {"decode": 2, "prefill": 3}
+    for text in ("0", "prefill=0", "chat=2", "x"):
+        with pytest.raises(ValueError):
+            driver.parse_repeat(text, workloads)
+
+
+def _run(gaps_ms: list[float], repeat: int = 1) -> dict[str, object]:
+    times, at = [], 0.0
+    for gap in gaps_ms:
+        at += gap / 1000
+        times.append([at, 0])
+    return {"steps": times, "repeat": repeat}
+
+
+def test_long_steps_are_the_eager_ones_in_rounds_of_one_or_several_workloads() -> None:
+    # one workload: 9 eager steps among 16 decode steps (a prefill round's shape)
+    eager = [450, 250, 290, 350, 350, 350, 330, 260, 230]
+    decode = [60, 40, 35, 64, 62, 66, 55, 28, 26, 25, 20, 15, 13, 10, 8, 4]
+    short, long = analyze.step_gaps(_run(eager + decode))
+    assert sorted(long) == pytest.approx(sorted(g / 1000 for g in eager))
+    assert len(short) == len(decode)
+    # four workloads: most steps eager, as the frontend traced them (tools of 468d2df)
+    eager4 = [446, 188, 221, 235, 236, 239, 238, 232, 241, 220, 234, 243, 236, 238, 242, 243]
+    eager4 += [247, 211, 206, 234, 236, 231, 240, 243, 236, 243, 227, 230, 235, 245, 235, 236]
+    eager4 += [239, 244, 238, 211, 196]
+    decode4 = [0, 18, 32, 76, 74, 66, 76, 74, 54, 57, 53, 52, 64, 62, 62, 64, 33]
+    short, long = analyze.step_gaps(_run(eager4 + decode4, repeat=4))
+    assert len(long) == len(eager4) and len(short) == len(decode4)
+    # read as one workload, the same trace would have one long step: the rule differs
+    assert len(analyze.step_gaps(_run(eager4 + decode4))[1]) == 1
+
+
+def test_scatter_names_the_rounds_an_interval_needs() -> None:
+    ratios = [1.01, 0.99, 1.02, 0.98, 1.0, 1.005, 0.995]
+    sd = statistics.stdev(math.log(r) for r in ratios)
+    text = pool.scatter(ratios)
+    assert f"{sd:.4f}" in text
+    need_1 = math.ceil((1.96 * sd / math.log(1.01)) ** 2)
+    need_half = math.ceil((1.96 * sd / math.log(1.005)) ** 2)
+    assert f"+-1%: {need_1}," in text and text.endswith(f"+-0.5%: {need_half}")
+    assert need_half > need_1 > 1

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from analyze import step_gaps
-from driver import PAIRS, geomean_ci
+from report import PAIRS, geomean_ci
 
 
 def short_step(run: dict[str, Any]) -> float:

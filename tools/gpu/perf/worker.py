@@ -229,7 +229,7 @@ class Worker:
         # "ours+fresh", row arrays in fresh memory, not reused; "ours+background", every batch
         # published on the background thread; "ours+allinline", every batch of blocks inline;
         # "+copyframes", the engine's ZMQ frames copied, never zero-copy (these: R3 right,
-        # driver.RIGHT_R3); "+twin", nothing changed: a second engine of the same
+        # report.RIGHT_R3); "+twin", nothing changed: a second engine of the same
         # configuration in the same rounds, an A/A control of the measure itself
         self.base, *self.variants = config.split("+")
         self.model = model

@@ -1,0 +1,111 @@
+"""The side-by-side benchmark's ratios: which pairs are reported, the geometric mean of a
+pair's per-round ratios with its bootstrap interval, and the summary ``driver.py`` prints
+after a run (``pool.py`` pools several runs' rounds with the same functions)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+#: the ratios reported, first over second ("ours+nocap" prices vLLM's capture itself)
+PAIRS = (
+    ("off+twin", "off"),  # A/A: how far the measure strays with nothing changed
+    ("ours+twin", "ours"),
+    ("ours", "off"),
+    ("native", "off"),
+    ("ours", "native"),
+    ("ours+nocap", "ours"),
+    ("ours+nocopy", "ours"),
+    ("ours", "ours+pinnedviews"),
+    ("ours", "ours+perlayer"),
+    ("ours", "ours+fresh"),
+    ("ours", "ours+background"),
+    ("ours", "ours+allinline"),
+    ("ours+copyframes", "ours"),
+    ("off+copyframes", "off"),
+)
+#: configurations whose R3 must be right (the other variants are experiments that break it)
+RIGHT_R3 = (
+    "native",
+    "ours",
+    "ours+twin",
+    "ours+pinnedviews",
+    "ours+perlayer",
+    "ours+fresh",
+    "ours+background",
+    "ours+allinline",
+    "ours+copyframes",
+)
+
+
+def paired(results: list[dict[str, Any]], workload: str, a: str, b: str) -> list[float]:
+    """Per round: out tok/s of ``a`` over ``b``."""
+    by = {(r["config"], r["seed"]): r for r in results if r["workload"] == workload}
+    seeds = sorted({s for c, s in by if c == a} & {s for c, s in by if c == b})
+    return [by[(a, s)]["out_tok_s"] / by[(b, s)]["out_tok_s"] for s in seeds]
+
+
+def geomean_ci(ratios: list[float], draws: int = 4000) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios with a 95% bootstrap interval (fixed seed): a goal is
+    resolved when the whole interval lies on one side of it."""
+    import random
+
+    logs = sorted(math.log(r) for r in ratios)  # the interval does not depend on the order
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    return (
+        math.exp(statistics.fmean(logs)),
+        math.exp(means[int(0.025 * draws)]),
+        math.exp(means[int(0.975 * draws) - 1]),
+    )
+
+
+def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[str]) -> str:
+    lines = []
+    for workload in workloads:
+        rows = [r for r in results if r["workload"] == workload]
+        lines.append(f"== {workload}: {len(rows)} timed runs")
+        for config in configs:
+            mine = [r for r in rows if r["config"] == config]
+            if mine:
+                tok = [r["out_tok_s"] for r in mine]
+                lines.append(
+                    f"  {config:<7} out tok/s median {statistics.median(tok):9.1f} "
+                    f"({min(tok):.1f}-{max(tok):.1f}), seconds "
+                    f"{statistics.median(r['seconds'] for r in mine):.3f}, steps "
+                    f"{statistics.median(len(r['steps']) for r in mine):.0f}"
+                )
+        for config in configs:
+            timers = [r.get("step_timers") or {} for r in rows if r["config"] == config]
+            names = sorted({name for t in timers for name in t})
+            if names:  # the engine core main thread's CPU in each part, per round
+                ms = {n: statistics.median(t.get(n, [0, 0.0])[1] for t in timers) for n in names}
+                parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
+                lines.append(f"  {config:<7} main-thread CPU per round, ms (median): {parts}")
+        for a, b in PAIRS:
+            ratios = paired(results, workload, a, b)
+            if ratios:
+                mean, low, high = geomean_ci(ratios)
+                lines.append(
+                    f"  {a}/{b}: median {statistics.median(ratios):.4f} "
+                    f"(min {min(ratios):.4f}, max {max(ratios):.4f}, n={len(ratios)}); "
+                    f"geometric mean {mean:.4f}, 95% interval {low:.4f}-{high:.4f}"
+                )
+        for seed in sorted({r["seed"] for r in rows}):
+            same = {r["config"]: r for r in rows if r["seed"] == seed}
+            tokens = {r["tokens_digest"] for r in same.values()}
+            r3 = {c: r["r3_digest"] for c, r in same.items() if c in RIGHT_R3}
+            missing = sum(r["r3_missing"] for r in same.values())
+            same_tokens = "identical" if len(tokens) == 1 else "DIFFER"
+            verdict = "identical" if len(set(r3.values())) <= 1 else "DIFFER"
+            if verdict == "DIFFER" and "ours" in same and "native" in same:
+                ours = same["ours"].get("r3_request_digests", [])
+                native = same["native"].get("r3_request_digests", [])
+                differ = sum(a != b for a, b in zip(ours, native, strict=False))
+                verdict += f" in {differ} of {len(ours)} requests"
+            lines.append(
+                f"  round seed {seed}: tokens {same_tokens}"
+                f" across {sorted(same)}; R3 of {sorted(r3)} {verdict}; missing R3 {missing}"
+            )
+    return "\n".join(lines)

@@ -94,13 +94,17 @@ def main() -> None:
     print(f"per-round speed ratios, {len(args.runs)} runs pooled")
     for workload, by_round in sorted(rounds.items()):
         for top, bottom in PAIRS:
+            round_ratios: dict[tuple[int, int], float] = {}  # (run, seed) -> whole round's
             for part, measure in PARTS.items():
-                ratios = sorted(
-                    measure(runs[bottom]) / measure(runs[top])
-                    for runs in by_round.values()
+                keyed = {
+                    key: measure(runs[bottom]) / measure(runs[top])
+                    for key, runs in by_round.items()
                     if top in runs and bottom in runs
-                )
-                ratios = [r for r in ratios if r == r]  # a run without long steps has none
+                }
+                if part == "round":
+                    round_ratios = keyed
+                # a run without long steps has none
+                ratios = sorted(r for r in keyed.values() if r == r)
                 if len(ratios) < 2:
                     continue
                 mean, low, high = geomean_ci(ratios)
@@ -110,11 +114,6 @@ def main() -> None:
                     f"(95% {low:.4f}-{high:.4f}), min {ratios[0]:.3f} max {ratios[-1]:.3f}, "
                     f"n={len(ratios)}"
                 )
-            round_ratios = {
-                key: PARTS["round"](runs[bottom]) / PARTS["round"](runs[top])
-                for key, runs in by_round.items()
-                if top in runs and bottom in runs
-            }
             if len(round_ratios) > 2:
                 print(f"{workload:8s} {top}/{bottom} scatter   : {scatter(round_ratios.values())}")
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():

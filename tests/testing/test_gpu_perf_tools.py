@@ -85,3 +85,29 @@ def test_scatter_names_the_rounds_an_interval_needs() -> None:
     need_half = math.ceil((1.96 * sd / math.log(1.005)) ** 2)
     assert f"+-1%: {need_1}," in text and text.endswith(f"+-0.5%: {need_half}")
     assert need_half > need_1 > 1
+
+
+def test_step_timer_share_counts_r3_parts_and_the_schedulers_excess_once() -> None:
+    def run(seconds: float, **parts: float) -> dict[str, object]:
+        timers = {name.replace("__", "."): [10, value] for name, value in parts.items()}
+        return {"seconds": seconds, "step_timers": timers}
+
+    # Figures of a GPU round (ms): build_connector_meta runs inside schedule, so it counts once.
+    off = [run(11.5, scheduler__schedule=0.300, scheduler__update_from_output=0.177)]
+    ours = [
+        run(
+            12.0,
+            scheduler__schedule=0.338,
+            scheduler__update_from_output=0.221,
+            scheduler_connector__build_connector_meta=0.010,
+            worker_connector__process_output=0.473,
+            worker_connector__begin_step=0.127,
+            capture=0.032,
+        )
+    ]
+    got = analyze.step_timer_share(ours, off)
+    assert got["own"] == pytest.approx(0.010 + 0.473 + 0.127 + 0.032)
+    assert got["scheduler_excess"] == pytest.approx((0.338 - 0.300) + (0.221 - 0.177) - 0.010)
+    assert got["share"] == pytest.approx((0.642 + 0.072) / 12.0)
+    # Without a run of the base configuration's timers, only R3's own parts count.
+    assert analyze.step_timer_share(ours, [])["scheduler_excess"] == 0.0

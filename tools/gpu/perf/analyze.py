@@ -5,7 +5,8 @@ profiles of one ``driver.py`` run (its ``--out`` folder, or the ``perf.tgz`` run
 
 Per workload and configuration (medians over the timed rounds): wall seconds split into
 the engine steps the frontend saw (long steps, the prefill-carrying ones, are those well above
-a decode step: ``step_gaps``; the rest decode) and the time after the last step; then CPU
+a decode step: ``step_gaps``; the rest decode) and the time after the last step; with
+``--step-timers``, R3's main-thread CPU and its share of the round (``step_timer_share``); then CPU
 seconds per thread of the frontend and engine core; then, from the py-spy round, each
 thread's busy samples and the inclusive frames whose share differs most from ``--against``.
 """
@@ -118,6 +119,35 @@ def per_thread_median(runs: list[dict[str, Any]], field: str = "threads_cpu_s") 
         per_run.append(sums)
     keys = {k for s in per_run for k in s}
     return {k: statistics.median(s.get(k, 0.0) for s in per_run) for k in keys}
+
+
+#: Step-timer parts that are R3's own work (the connectors' per-step methods, the capture).
+R3_PARTS = ("capture", "worker_connector.", "scheduler_connector.")
+#: vLLM's scheduler parts; R3 also runs inside them (the eviction hook in ``schedule``, the
+#: rows taken per request in ``update_from_output``), seen only against a run without R3.
+SCHEDULER_PARTS = ("scheduler.schedule", "scheduler.update_from_output")
+
+
+def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
+    """R3's main-thread CPU per round from ``--step-timers`` (medians, seconds): its own parts,
+    the scheduler's excess over ``base`` (the same parts of the run without R3, the scheduler
+    connector's nested ``build_connector_meta`` taken out) and their sum's share of the round.
+    On an engine whose main thread is the bottleneck (eager prefill here) that share is about
+    what R3 costs the round's throughput."""
+
+    def per_round(part: str, rounds: list[dict[str, Any]]) -> float:
+        return statistics.median(
+            (r.get("step_timers") or {}).get(part, [0, 0.0])[1] for r in rounds
+        )
+
+    names = {n for r in runs for n in (r.get("step_timers") or {})}
+    own = sum(per_round(n, runs) for n in names if n.startswith(R3_PARTS))
+    nested = sum(per_round(n, runs) for n in names if n.startswith("scheduler_connector."))
+    excess = 0.0
+    if base and all(r.get("step_timers") for r in base):
+        excess = sum(per_round(p, runs) - per_round(p, base) for p in SCHEDULER_PARTS) - nested
+    seconds = statistics.median(r["seconds"] for r in runs)
+    return {"own": own, "scheduler_excess": excess, "share": (own + excess) / seconds}
 
 
 def load_profile(path: Path) -> list[tuple[str, list[str], int]]:
@@ -244,6 +274,17 @@ def main() -> None:
                 print(
                     f"    {config:<7} {min(per_round):6.1f} {statistics.median(per_round):6.1f} "
                     f"{max(per_round):6.1f}  (n={len(per_round)})"
+                )
+        base = [r for r in timed if r["workload"] == workload and r["config"] == args.against]
+        for config in configs:
+            runs = [r for r in timed if r["workload"] == workload and r["config"] == config]
+            if config != args.against and any(r.get("step_timers") for r in runs):
+                got = step_timer_share(runs, base)
+                print(
+                    f"  {config} R3 main-thread CPU per round (step timers, medians): own parts "
+                    f"{1000 * got['own']:.1f} ms + scheduler over {args.against} "
+                    f"{1000 * got['scheduler_excess']:.1f} ms = {100 * got['share']:.2f}% of "
+                    "the round"
                 )
         print("  cyclic GC per round (median): collections and seconds per generation")
         for config in configs:

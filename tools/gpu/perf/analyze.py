@@ -275,15 +275,15 @@ def main() -> None:
                     f"    {config:<7} {min(per_round):6.1f} {statistics.median(per_round):6.1f} "
                     f"{max(per_round):6.1f}  (n={len(per_round)})"
                 )
-        base = [r for r in timed if r["workload"] == workload and r["config"] == args.against]
+        base_runs = [r for r in timed if r["workload"] == workload and r["config"] == args.against]
         for config in configs:
             runs = [r for r in timed if r["workload"] == workload and r["config"] == config]
             if config != args.against and any(r.get("step_timers") for r in runs):
-                got = step_timer_share(runs, base)
+                r3 = step_timer_share(runs, base_runs)
                 print(
                     f"  {config} R3 main-thread CPU per round (step timers, medians): own parts "
-                    f"{1000 * got['own']:.1f} ms + scheduler over {args.against} "
-                    f"{1000 * got['scheduler_excess']:.1f} ms = {100 * got['share']:.2f}% of "
+                    f"{1000 * r3['own']:.1f} ms + scheduler over {args.against} "
+                    f"{1000 * r3['scheduler_excess']:.1f} ms = {100 * r3['share']:.2f}% of "
                     "the round"
                 )
         print("  cyclic GC per round (median): collections and seconds per generation")

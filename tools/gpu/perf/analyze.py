@@ -130,8 +130,9 @@ SCHEDULER_PARTS = ("scheduler.schedule", "scheduler.update_from_output")
 
 def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
     """R3's main-thread CPU per round from ``--step-timers`` (medians, seconds): its own parts,
-    the scheduler's excess over ``base`` (the same parts of the run without R3, the scheduler
-    connector's nested ``build_connector_meta`` taken out) and their sum's share of the round.
+    the scheduler's excess over ``base`` (the same parts of a run without R3, the scheduler
+    connector's nested ``build_connector_meta`` taken out; 0 if ``base`` runs R3 too) and
+    their sum's share of the round.
     On an engine whose main thread is the bottleneck (eager prefill here) that share is about
     what R3 costs the round's throughput."""
 
@@ -141,13 +142,25 @@ def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> 
         )
 
     names = {n for r in runs for n in (r.get("step_timers") or {})}
-    own = sum(per_round(n, runs) for n in names if n.startswith(R3_PARTS))
+    own = sum(per_round(n, runs) for n in _r3_names(names))
     nested = sum(per_round(n, runs) for n in names if n.startswith("scheduler_connector."))
     excess = 0.0
-    if base and all(r.get("step_timers") for r in base):
+    base_names = {n for r in base for n in (r.get("step_timers") or {})}
+    # Against a base that runs R3 itself (vLLM's own), the scheduler's excess is not R3's.
+    if base and all(r.get("step_timers") for r in base) and not _r3_names(base_names):
         excess = sum(per_round(p, runs) - per_round(p, base) for p in SCHEDULER_PARTS) - nested
     seconds = statistics.median(r["seconds"] for r in runs)
-    return {"own": own, "scheduler_excess": excess, "share": (own + excess) / seconds}
+    known = float(bool(base) and not _r3_names(base_names))
+    return {
+        "own": own,
+        "scheduler_excess": excess,
+        "excess_known": known,
+        "share": (own + excess) / seconds,
+    }
+
+
+def _r3_names(names: set[str]) -> set[str]:
+    return {n for n in names if n.startswith(R3_PARTS)}
 
 
 def load_profile(path: Path) -> list[tuple[str, list[str], int]]:
@@ -280,11 +293,14 @@ def main() -> None:
             runs = [r for r in timed if r["workload"] == workload and r["config"] == config]
             if config != args.against and any(r.get("step_timers") for r in runs):
                 r3 = step_timer_share(runs, base_runs)
+                excess = (
+                    f" + scheduler over {args.against} {1000 * r3['scheduler_excess']:.1f} ms"
+                    if r3["excess_known"]
+                    else f" (no scheduler excess: {args.against} is not a run without R3)"
+                )
                 print(
                     f"  {config} R3 main-thread CPU per round (step timers, medians): own parts "
-                    f"{1000 * r3['own']:.1f} ms + scheduler over {args.against} "
-                    f"{1000 * r3['scheduler_excess']:.1f} ms = {100 * r3['share']:.2f}% of "
-                    "the round"
+                    f"{1000 * r3['own']:.1f} ms{excess} = {100 * r3['share']:.2f}% of the round"
                 )
         print("  cyclic GC per round (median): collections and seconds per generation")
         for config in configs:

@@ -106,12 +106,14 @@ def test_step_timer_share_counts_r3_parts_and_the_schedulers_excess_once() -> No
         )
     ]
     got = analyze.step_timer_share(ours, off)
-    assert got["own"] == pytest.approx(0.010 + 0.473 + 0.127 + 0.032)
-    assert got["scheduler_excess"] == pytest.approx((0.338 - 0.300) + (0.221 - 0.177) - 0.010)
-    assert got["share"] == pytest.approx((0.642 + 0.072) / 12.0)
-    # Without a run of the base configuration's timers, only R3's own parts count; so against
-    # a base that runs R3 itself (vLLM's own).
-    assert analyze.step_timer_share(ours, [])["scheduler_excess"] == 0.0
-    assert analyze.step_timer_share(ours, ours)["scheduler_excess"] == 0.0
-    assert not analyze.step_timer_share(ours, ours)["excess_known"]
-    assert got["excess_known"]
+    assert got.own == pytest.approx(0.010 + 0.473 + 0.127 + 0.032)
+    assert got.scheduler_excess == pytest.approx((0.338 - 0.300) + (0.221 - 0.177) - 0.010)
+    assert got.share == pytest.approx((0.642 + 0.072) / 12.0)
+    assert got.excess_known
+    # Without a base run with timers, or against one that runs R3 itself (vLLM's own), only
+    # R3's own parts count.
+    without_timers = [{"seconds": 11.5}]
+    for base in ([], without_timers, ours):
+        alone = analyze.step_timer_share(ours, base)
+        assert not alone.excess_known and alone.scheduler_excess == 0.0
+        assert alone.share == pytest.approx(0.642 / 12.0)

@@ -21,7 +21,7 @@ import statistics
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Frames a thread sits in while it has nothing to do (ZMQ and queue waits, GPU syncs).
 IDLE = (
@@ -128,13 +128,21 @@ R3_PARTS = ("capture", "worker_connector.", "scheduler_connector.")
 SCHEDULER_PARTS = ("scheduler.schedule", "scheduler.update_from_output")
 
 
-def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
-    """R3's main-thread CPU per round from ``--step-timers`` (medians, seconds): its own parts,
-    the scheduler's excess over ``base`` (the same parts of a run without R3, the scheduler
-    connector's nested ``build_connector_meta`` taken out; 0 if ``base`` runs R3 too) and
-    their sum's share of the round.
-    On an engine whose main thread is the bottleneck (eager prefill here) that share is about
-    what R3 costs the round's throughput."""
+class R3Share(NamedTuple):
+    """R3's main-thread CPU per round (seconds, medians over rounds) and its share of it."""
+
+    own: float  # the capture and the connectors' per-step methods
+    scheduler_excess: float  # vLLM's scheduler parts over the base run's (0 if not known)
+    excess_known: bool  # the base is a run without R3, with step timers
+    share: float  # (own + scheduler_excess) / the round's seconds
+
+
+def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> R3Share:
+    """R3's main-thread CPU per round from ``--step-timers``: its own parts and the scheduler's
+    excess over ``base`` (the same parts of a run without R3; the scheduler connector's
+    ``build_connector_meta``, nested in ``schedule``, counted once). On an engine whose main
+    thread is the bottleneck (eager prefill here) the share is about what R3 costs the round's
+    throughput."""
 
     def per_round(part: str, rounds: list[dict[str, Any]]) -> float:
         return statistics.median(
@@ -144,19 +152,14 @@ def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> 
     names = {n for r in runs for n in (r.get("step_timers") or {})}
     own = sum(per_round(n, runs) for n in _r3_names(names))
     nested = sum(per_round(n, runs) for n in names if n.startswith("scheduler_connector."))
-    excess = 0.0
     base_names = {n for r in base for n in (r.get("step_timers") or {})}
-    # Against a base that runs R3 itself (vLLM's own), the scheduler's excess is not R3's.
-    if base and all(r.get("step_timers") for r in base) and not _r3_names(base_names):
+    # Against a base that runs R3 itself (vLLM's own) the scheduler's excess is not R3's.
+    known = bool(base) and all(r.get("step_timers") for r in base) and not _r3_names(base_names)
+    excess = 0.0
+    if known:
         excess = sum(per_round(p, runs) - per_round(p, base) for p in SCHEDULER_PARTS) - nested
     seconds = statistics.median(r["seconds"] for r in runs)
-    known = float(bool(base) and not _r3_names(base_names))
-    return {
-        "own": own,
-        "scheduler_excess": excess,
-        "excess_known": known,
-        "share": (own + excess) / seconds,
-    }
+    return R3Share(own, excess, known, (own + excess) / seconds)
 
 
 def _r3_names(names: set[str]) -> set[str]:
@@ -294,13 +297,14 @@ def main() -> None:
             if config != args.against and any(r.get("step_timers") for r in runs):
                 r3 = step_timer_share(runs, base_runs)
                 excess = (
-                    f" + scheduler over {args.against} {1000 * r3['scheduler_excess']:.1f} ms"
-                    if r3["excess_known"]
-                    else f" (no scheduler excess: {args.against} is not a run without R3)"
+                    f" + scheduler over {args.against} {1000 * r3.scheduler_excess:.1f} ms"
+                    if r3.excess_known
+                    else f" (scheduler excess not known: {args.against} is no run without R3 "
+                    "with step timers)"
                 )
                 print(
                     f"  {config} R3 main-thread CPU per round (step timers, medians): own parts "
-                    f"{1000 * r3['own']:.1f} ms{excess} = {100 * r3['share']:.2f}% of the round"
+                    f"{1000 * r3.own:.1f} ms{excess} = {100 * r3.share:.2f}% of the round"
                 )
         print("  cyclic GC per round (median): collections and seconds per generation")
         for config in configs:

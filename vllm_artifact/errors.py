@@ -30,6 +30,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreReadOnlyError",
     "StoreUnavailableError",
+    "TrackerProcessError",
     "UnknownRequestError",
     "UnsafeRootError",
     "VllmIncompatibleError",
@@ -205,3 +206,10 @@ class InternalError(ArtifactError, RuntimeError):
     request, never a dead engine."""
 
     reason = "internal"
+
+
+class TrackerProcessError(ArtifactError, RuntimeError):
+    """The tracker process (``--artifact-tracker process``) did not start, or has gone: R3
+    requests in flight fail with this, and the engine goes on serving."""
+
+    reason = "tracker_process"

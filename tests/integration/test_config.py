@@ -185,6 +185,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         capacity="512MiB",  # type: ignore[arg-type]
         ttl_seconds="30m",  # type: ignore[arg-type]
         keys_lease_seconds="90s",  # type: ignore[arg-type]
+        tracker="process",
     )
     entry = json.loads(json.dumps(config.to_additional_config()))
     assert entry == {
@@ -193,6 +194,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         "capacity": 512 * 2**20,
         "ttl_seconds": 1800.0,
         "keys_lease_seconds": 90.0,
+        "tracker": "process",
         "mooncake_master": None,
         "mooncake_metadata": "P2PHANDSHAKE",
         "mooncake_host": None,
@@ -243,6 +245,8 @@ ALL_FLAGS = (
     "30m",
     "--artifact-keys-lease",
     "5m",
+    "--artifact-tracker",
+    "process",
     "--artifact-mooncake-master",
     "10.0.0.5:50051",
     "--artifact-mooncake-metadata",
@@ -260,6 +264,7 @@ ALL_ENTRY = {
     "capacity": 8 * 2**30,
     "ttl_seconds": 1800.0,
     "keys_lease_seconds": 300.0,
+    "tracker": "process",
     "mooncake_master": "10.0.0.5:50051",
     "mooncake_metadata": "http://10.0.0.5:8080/metadata",
     "mooncake_host": "10.0.0.7",
@@ -284,6 +289,7 @@ def test_keywords_reach_additional_config() -> None:
         artifact_capacity="8GiB",
         artifact_ttl="30m",
         artifact_keys_lease="5m",
+        artifact_tracker="process",
         artifact_mooncake_master="10.0.0.5:50051",
         artifact_mooncake_metadata="http://10.0.0.5:8080/metadata",
         artifact_mooncake_host="10.0.0.7",

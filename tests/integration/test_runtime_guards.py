@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.contract import EmittedRows, StepResult
@@ -112,6 +113,18 @@ def test_r3_that_cannot_be_assembled_fails_the_request_not_the_output_handler() 
     )
     output = wrapped(good, [1], 0, None)
     assert output.finish_reason == "0" and output.routed_experts.shape == (2, 4, 2)
+
+
+def test_a_request_that_fails_after_some_rows_arrived_is_answered_without_them() -> None:
+    """R3 lost mid-request (its prompt's rows already reached the frontend): the error
+    completion carries no partial R3."""
+    wrapped = terminal_output._wrap_new_completion_output(fake_original)
+    state = SimpleNamespace(
+        external_req_id="cmpl-lost-0", routed_experts_chunks=[np.ones((3, 4, 2), np.uint8)]
+    )
+    output = wrapped(state, [1], FinishReason.ERROR, "vllm-artifact[tracker_process] lost")
+    assert output.finish_reason == str(FinishReason.ERROR) and output.routed_experts is None
+    assert output.stop_reason == "vllm-artifact[tracker_process] lost"
 
 
 def test_a_finished_keys_request_is_never_answered_without_its_handle() -> None:

@@ -48,6 +48,7 @@ def worker() -> Iterator[tuple[ArtifactWorkerConnector, RequestTracker, Publishe
         LAYOUT, "model", store, publisher, buffer_max_bytes=1 << 20, block_id=eviction_id
     )
     connector = object.__new__(ArtifactWorkerConnector)
+    connector._process, connector._steps_started = None, 0
     connector._capturer = StepStarts()  # type: ignore[assignment]
     connector._lock = threading.Lock()
     connector._generation = 0

@@ -124,6 +124,13 @@ class RequestTracker:
         if request_id not in self._requests:
             self._requests[request_id] = RequestState(Cursors(emit=int(emit_start)))
 
+    def admit_lost(self, request_ids: Iterable[str], failure: R3Failure) -> None:
+        """Requests whose rows an earlier tracker held (a tracker process that went): each
+        fails with ``failure`` at its next step instead of being taken for unknown."""
+        for request_id in request_ids:
+            if request_id not in self._requests:
+                self._requests[request_id] = RequestState(Cursors(emit=0), failure=failure)
+
     def add_block_hashes(self, updates: Mapping[str, Iterable[bytes]]) -> None:
         """KV block hashes of each request's next full blocks, in order (one step's), published
         as one batch."""

@@ -124,6 +124,10 @@ class ArtifactConfig(BaseModel):
     """Stores whose writer is gone are collected after this long."""
     keys_lease_seconds: float = 600.0
     """The objects a keys-only handle names stay pinned this long after the response."""
+    tracker: Literal["engine", "process"] = "engine"
+    """Where rank zero's request tracking and store writes run: on the engine's own thread
+    (``engine``), or in a process of their own (``process``) that takes each step's rows
+    through shared memory while the engine launches the next step."""
     mooncake_master: str | None = None
     """``HOST:PORT`` of the Mooncake master's RPC service (backend ``mooncake``)."""
     mooncake_metadata: str = "P2PHANDSHAKE"
@@ -201,6 +205,7 @@ class ArtifactConfig(BaseModel):
             "capacity": self.capacity,
             "ttl_seconds": self.ttl_seconds,
             "keys_lease_seconds": self.keys_lease_seconds,
+            "tracker": self.tracker,
             "mooncake_master": self.mooncake_master,
             "mooncake_metadata": self.mooncake_metadata,
             "mooncake_host": self.mooncake_host,

@@ -107,6 +107,18 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
         "seconds. Leased objects count against --artifact-capacity. Default: 10m.",
     ),
     StoreOption(
+        kwarg="artifact_tracker",
+        field="tracker",
+        metavar="{engine,process}",
+        example="process",
+        parse=str,
+        choices=("engine", "process"),
+        help="Where rank zero tracks requests and writes the store: 'engine' (the engine's "
+        "own thread) or 'process' (a process of its own, fed each step's rows through shared "
+        "memory; frees the engine's thread where it, not the GPU, bounds throughput). "
+        "Default: engine.",
+    ),
+    StoreOption(
         kwarg="artifact_mooncake_master",
         field="mooncake_master",
         metavar="HOST:PORT",

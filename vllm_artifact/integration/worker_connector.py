@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,12 @@ from vllm_artifact.contract import (
 from vllm_artifact.core.buffer import copy_rows
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
-from vllm_artifact.core.publisher import MEMORY_STORE_INLINE_FROM_BLOCKS, Publisher
+from vllm_artifact.core.publisher import Publisher
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
-from vllm_artifact.core.store import ObjectStore, ShmStore
+from vllm_artifact.core.step_facts import HashRun, StepFacts, apply_step_facts
+from vllm_artifact.core.store import ObjectStore
 from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker
@@ -47,11 +49,11 @@ from vllm_artifact.integration.capture import BatchedEagerCapturer, batching_app
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.engine_store import (
     EngineStore,
-    open_backend,
     record_weight_version,
 )
-from vllm_artifact.integration.kv_events import eviction_id
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
+from vllm_artifact.integration.output_side import OutputSetup, open_output_side
+from vllm_artifact.integration.tracker_process import TrackerProcess
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
 if TYPE_CHECKING:
@@ -63,6 +65,30 @@ logger = logging.getLogger("vllm.artifact.worker")
 #: Store capacity "auto" holds this many times the R3 of every block the KV cache can hold,
 #: so store eviction (least recently used first) lags far behind KV eviction.
 AUTO_CAPACITY_FACTOR = 2
+
+
+def packed_hashes(hashes: Iterable[bytes]) -> Iterable[bytes]:
+    """vLLM's ``PackedBlockHashes`` as our :class:`HashRun` (no vLLM class crosses to the
+    tracker process); anything else (a list of hashes) as is."""
+    data, size = getattr(hashes, "data", None), getattr(hashes, "item_size", None)
+    if isinstance(data, bytes) and isinstance(size, int):
+        return HashRun(data, size)
+    return hashes
+
+
+def step_facts(metadata: ArtifactStepMetadata) -> StepFacts:
+    """vLLM's step metadata as the tracker's plain :class:`StepFacts`."""
+    return StepFacts(
+        weight_version=metadata.weight_version,
+        generation=metadata.generation,
+        admitted=metadata.requests,
+        block_hashes={rid: packed_hashes(h) for rid, h in metadata.block_hashes.items()},
+        kv_cleared=metadata.kv_cleared,
+        kv_evicted=metadata.kv_evicted,
+        finished=tuple(metadata.finished_requests),
+        tails=metadata.tails,
+        leases=frozenset(metadata.leases),
+    )
 
 
 def offloaded_kv_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
@@ -97,6 +123,10 @@ class PendingArtifactStep:
     num_rejected: np.ndarray | None = None
     #: ``rows`` lies in pinned host memory (torch's caching host allocator): a GPU copy.
     pinned: bool = False
+    #: The step's number, in the order steps were started (the tracker process's answers).
+    seq: int = 0
+    #: Recorded after a GPU copy: it has landed once this completes.
+    copy_done: torch.cuda.Event | None = None
 
     def enqueue_cpu_copy(self, num_sampled: np.ndarray, num_rejected: np.ndarray) -> None:
         """Start the device-to-host copy (MRV2 calls this on its output copy stream)."""
@@ -105,6 +135,37 @@ class PendingArtifactStep:
         if self.snapshot is not None:
             self.pinned = self.snapshot.is_cuda
             self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
+            if self.pinned:
+                self.copy_done = torch.cuda.Event()
+                self.copy_done.record()
+
+    def copied(self, wait: bool = False) -> bool:
+        """The rows are in host memory (``wait``: once they are); False before
+        ``enqueue_cpu_copy``."""
+        if self.num_sampled is None:
+            return False
+        if self.copy_done is not None:
+            if wait:
+                self.copy_done.synchronize()
+            elif not self.copy_done.query():
+                return False
+        return True
+
+    def columns(self, rows: np.ndarray) -> dict[str, Any]:
+        """The step's columns besides its rows, as :class:`StepBatch` takes them."""
+        sampled, rejected = self.num_sampled, self.num_rejected
+        if sampled is None or rejected is None:
+            raise InternalError("process_output ran before enqueue_cpu_copy")
+        n = len(self.request_ids)
+        starts, ends = self.query_start_loc[:-1], self.query_start_loc[1:]
+        return dict(
+            request_ids=self.request_ids,
+            token_starts=self.token_starts,
+            num_scheduled=ends - starts,
+            row_starts=starts,
+            row_ends=ends - rejected[:n],
+            sampled=sampled[:n] > 0,
+        )
 
     def take_rows(self, arrays: RecycledArrays | None = None) -> np.ndarray | None:
         """The step's rows, in memory that is the caller's to keep. Views of them outlive the
@@ -153,6 +214,8 @@ class ArtifactWorkerConnector:
         self._node_stores: NodeStores | None = None
         self._publisher: Publisher | None = None
         self._tracker: RequestTracker | None = None
+        self._process: TrackerProcess | None = None  # --artifact-tracker process
+        self._steps_started = 0
         self._keys_context: KeysContext | None = None  # sent to the scheduler once
         if kv_cache_config is not None:
             self.initialize_output_storage(kv_cache_config)
@@ -186,77 +249,28 @@ class ArtifactWorkerConnector:
         # Blocks a prefix hit can come from: the engine's KV cache and a KV offload's CPU tier.
         kv_blocks = kv_cache_config.num_blocks + offloaded_kv_blocks(vllm_config, kv_cache_config)
         kv_hash_blocks = kv_blocks * (scheduler_block_size // hash_block_size)
-        capacity = self._capacity(config, kv_hash_blocks)
-        dp_rank = vllm_config.parallel_config.data_parallel_rank
-        self._engine_store = open_backend(
-            config,
+        setup = OutputSetup(
+            config=config,
             family=self._store_family(),
-            dp_rank=dp_rank,
+            dp_rank=vllm_config.parallel_config.data_parallel_rank,
             layout=self._layout,
-            capacity=capacity,
-        )
-        self._store = self._engine_store.store
-        # With /dev/shm, KV hits on blocks another engine of this node computed (a PD
-        # producer, a shared KV tier) read their R3 from that engine's store.
-        self._node_stores = self._engine_store.node_stores
-        # A memory store's large batches are written inline (core/publisher.py says why).
-        self._publisher = Publisher(
-            self._store,
-            inline_from_blocks=(
-                MEMORY_STORE_INLINE_FROM_BLOCKS if self._store.writes_local_memory else None
-            ),
-        )
-        self._tracker = RequestTracker(
-            self._layout,
-            self._model_id,
-            self._store,
-            self._publisher,
+            model_id=self._model_id,
+            capacity=self._capacity(config, kv_hash_blocks),
+            kv_hash_blocks=kv_hash_blocks,
             buffer_max_bytes=max(
                 self._layout.block_nbytes * 4 * scheduler_config.max_num_seqs,
                 scheduler_config.max_num_batched_tokens * self._layout.row_nbytes * 4,
             ),
-            block_id=eviction_id,
-            lease_seconds=config.keys_lease_seconds,
-            node_stores=self._node_stores,
         )
-        self._keys_context = KeysContext(self._engine_store.address, self._model_id, self._layout)
-        logger.info(
-            "vllm-artifact: R3 store %s (%s) capacity=%.1f MiB ttl=%.0f s "
-            "(KV, offloaded KV included, holds %d blocks of %d tokens) namespace: %s",
-            self._engine_store.address.describe(),
-            config.backend,
-            capacity / 2**20,
-            config.ttl_seconds,
-            kv_hash_blocks,
-            hash_block_size,
-            self._tracker.namespace.describe(),
-        )
-        if isinstance(self._store, ShmStore):
-            self._log_shm_store(self._store, capacity, kv_hash_blocks)
-
-    def _log_shm_store(self, store: ShmStore, capacity: int, kv_hash_blocks: int) -> None:
-        """What a restarted engine recovered, and a capacity below the KV cache's R3."""
-        recovery = store.recovery
-        if recovery is not None and (recovery.objects or recovery.recreated):
-            logger.info(
-                "vllm-artifact: R3 store %s: %s; %d objects kept, %d half-written and %d "
-                "invalid slots dropped",
-                store.name,
-                recovery.reason,
-                recovery.objects,
-                recovery.dropped_partial,
-                recovery.dropped_invalid,
-            )
-        slots = store.geometry.slot_count
-        if slots < kv_hash_blocks:
-            logger.warning(
-                "vllm-artifact: --artifact-capacity %.1f MiB holds %d R3 blocks but the KV cache "
-                "can hold %d: a prefix hit on an evicted object fails that request; raise "
-                "--artifact-capacity (or use auto) to avoid it",
-                capacity / 2**20,
-                slots,
-                kv_hash_blocks,
-            )
+        if config.tracker == "process":
+            self._process = TrackerProcess(setup, max_rows=scheduler_config.max_num_batched_tokens)
+            address = self._process.address
+        else:
+            side = open_output_side(setup)
+            self._engine_store, self._publisher = side.engine_store, side.publisher
+            self._tracker, self._store = side.tracker, side.store
+            address = side.engine_store.address
+        self._keys_context = KeysContext(address, self._model_id, self._layout)
 
     # --------------------------------------------------------------- startup
 
@@ -279,26 +293,48 @@ class ArtifactWorkerConnector:
         return self._store
 
     @property
+    def tracker_pid(self) -> int | None:
+        """The tracker process's pid (``--artifact-tracker process``), else None."""
+        return None if self._process is None else self._process.pid
+
+    def _counters(self) -> tuple[int, int, int]:
+        if self._process is not None:
+            return self._process.counters
+        tracker = self._tracker
+        return (
+            (0, 0, 0)
+            if tracker is None
+            else (
+                tracker.reads,
+                tracker.adopted,
+                tracker.tails_published,
+            )
+        )
+
+    @property
     def reads(self) -> int:
         """Objects read from the store for KV-cache hits (tests and metrics)."""
-        return 0 if self._tracker is None else self._tracker.reads
+        return self._counters()[0]
 
     @property
     def adopted(self) -> int:
         """Objects of those read from another engine's store on the node (and adopted)."""
-        return 0 if self._tracker is None else self._tracker.adopted
+        return self._counters()[1]
 
     @property
     def tails_published(self) -> int:
         """Terminal partial blocks published (requests that finished normally)."""
-        return 0 if self._tracker is None else self._tracker.tails_published
+        return self._counters()[2]
 
     def flush_publications(self, timeout: float = 30.0) -> None:
         """Wait until every object submitted so far is published (or failed): counts read
-        after it do not race the background writer."""
-        publisher = self._publisher
-        if publisher is not None:
-            publisher.flush(timeout=timeout)
+        after it do not race the background writer (the tracker process's counters are those
+        of its answer to this)."""
+        if self._process is not None:
+            with self._lock:
+                self._process.flush(timeout)
+        elif self._publisher is not None:
+            self._publisher.flush(timeout=timeout)
 
     # ------------------------------------------------------------ step hooks
 
@@ -306,38 +342,31 @@ class ArtifactWorkerConnector:
         """Apply the scheduler's request, block-hash and finish updates for this step."""
         self._step_active = metadata is not None
         self._capturer.step_started()
-        tracker = self._tracker
-        if tracker is None or metadata is None:
+        tracker, process = self._tracker, self._process
+        if (tracker is None and process is None) or metadata is None:
             return
         if not isinstance(metadata, ArtifactStepMetadata):
             raise InternalError(
                 f"the step metadata is a {type(metadata).__name__}, not vllm-artifact's "
                 "(the scheduler is not ours: see --enable-routed-experts)"
             )
-        with self._lock, tracker.one_submission():
-            if tracker.set_weight_version(metadata.weight_version):
-                logger.info("vllm-artifact: weight version now %r", metadata.weight_version)
+        facts = step_facts(metadata)
+        with self._lock:
+            if process is not None:
+                # The last step first, if its rows have landed: the process works on it while
+                # this thread launches this step.
+                process.send_copied()
+                process.begin(facts)
+                return
+            if tracker is not None and apply_step_facts(tracker, facts, self._generation):
+                logger.info("vllm-artifact: weight version now %r", facts.weight_version)
                 if self._store is not None:
-                    record_weight_version(self._store, metadata.weight_version)
-            if metadata.generation != self._generation:
-                tracker.reset()  # vLLM resets the prefix cache only with no output in flight
-                self._generation = metadata.generation
-            for request_id, emit_start in metadata.requests.items():
-                tracker.admit(request_id, int(emit_start))
-            tracker.add_block_hashes(metadata.block_hashes)
-            # After publishing (and pinning) newly keyed blocks: a block may be evicted already.
-            if metadata.kv_cleared:
-                tracker.kv_cleared()
-            tracker.kv_evicted(metadata.kv_evicted)
-            tails = metadata.tails
-            tracker.finish_all(
-                ((rid, tails.get(rid)) for rid in metadata.finished_requests),
-                leased=frozenset(metadata.leases),
-            )
+                    record_weight_version(self._store, facts.weight_version)
+            self._generation = facts.generation
 
     def prepare_output(self, input_batch: InputBatch) -> PendingArtifactStep | None:
         """Snapshot this step's rows for the asynchronous copy (rank zero only)."""
-        if self._tracker is None or not self._step_active:
+        if (self._tracker is None and self._process is None) or not self._step_active:
             return None
         self._step_active = False  # one prepare per begin_step (dummy runs get none)
         request_ids = list(input_batch.req_ids)
@@ -355,9 +384,16 @@ class ArtifactWorkerConnector:
             query_start_loc=query_start_loc,
             snapshot=snapshot,
             error=error,
+            seq=self._steps_started,
         )
+        self._steps_started += 1
         with self._lock:
-            self._tracker.step_started(request_ids)
+            if self._process is not None:
+                self._process.send_copied()
+                self._process.step_started(request_ids)
+                self._process.queue_step(pending)
+            elif self._tracker is not None:
+                self._tracker.step_started(request_ids)
         return pending
 
     def process_output(self, pending: PendingArtifactStep) -> StepResult:
@@ -376,36 +412,32 @@ class ArtifactWorkerConnector:
             return StepResult(entries=dict.fromkeys(pending.request_ids, failure))
 
     def _process_output(self, pending: PendingArtifactStep) -> StepResult:
-        if pending.error is not None:
-            raise pending.error
-        arrays = None if self._tracker is None else self._tracker.arrays
-        rows = pending.take_rows(arrays)
-        sampled, rejected = pending.num_sampled, pending.num_rejected
-        if rows is None or sampled is None or rejected is None or self._tracker is None:
-            raise InternalError("process_output ran before enqueue_cpu_copy")
-        if rows.dtype != self._layout.dtype:  # only top-1 models with exactly 256 experts
-            rows = rows.astype(self._layout.dtype)
-        # vLLM leaves dense layers 0 (expert 0's id): mark them, see core/schema.py.
-        self._layout.mark_dense(rows)
-        n = len(pending.request_ids)
-        starts, ends = pending.query_start_loc[:-1], pending.query_start_loc[1:]
-        step = StepBatch(
-            request_ids=pending.request_ids,
-            token_starts=pending.token_starts,
-            num_scheduled=ends - starts,
-            row_starts=starts,
-            row_ends=ends - rejected[:n],
-            sampled=sampled[:n] > 0,
-            rows=rows,
-        )
-        with self._lock:
-            result = self._tracker.step_finished(step)
+        if self._process is not None:
+            with self._lock:
+                result = self._process.step_result(pending)
+        else:
+            if pending.error is not None:
+                raise pending.error
+            arrays = None if self._tracker is None else self._tracker.arrays
+            rows = pending.take_rows(arrays)
+            if rows is None or self._tracker is None:
+                raise InternalError("process_output ran before enqueue_cpu_copy")
+            columns = pending.columns(rows)
+            if rows.dtype != self._layout.dtype:  # only top-1 models with exactly 256 experts
+                rows = rows.astype(self._layout.dtype)
+            # vLLM leaves dense layers 0 (expert 0's id): mark them, see core/schema.py.
+            self._layout.mark_dense(rows)
+            with self._lock:
+                result = self._tracker.step_finished(StepBatch(rows=rows, **columns))
         if self._keys_context is not None:
             result.keys_context, self._keys_context = self._keys_context, None
         return result
 
     def close(self) -> None:
         with self._lock:
+            if self._process is not None:
+                self._process.close()
+                self._process = None
             if self._publisher is not None:
                 self._publisher.close()
                 self._publisher = None

@@ -96,6 +96,12 @@ def _wrap_new_completion_output(original: Any) -> Any:
     ) -> Any:
         if finish_reason is None or not self.routed_experts_chunks:
             return original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
+        if finish_reason == FinishReason.ERROR:
+            # Failed after some of its rows arrived (R3 lost mid-request): no partial answer.
+            self.routed_experts_chunks = []
+            output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
+            output.routed_experts = None
+            return output
         try:
             return _finished_output(
                 original, self, token_ids, finish_reason, stop_reason, *args, **kwargs

@@ -1,0 +1,53 @@
+"""Fixed slots of shared memory that carry each step's rows from the engine to the tracker
+process: one copy in, no pickling, no name in any filesystem (an anonymous ``memfd`` the
+child inherits), freed when both sides close it."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+import numpy as np
+
+__all__ = ["RowRing"]
+
+
+class RowRing:
+    """``slots`` buffers of ``slot_bytes`` each in one shared mapping."""
+
+    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
+        self.fd = fd
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._map = mmap.mmap(fd, slots * slot_bytes)
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> RowRing:
+        """A new ring in fresh anonymous shared memory (pages are taken as they are touched)."""
+        fd = os.memfd_create("vllm-artifact-rows", 0)
+        os.ftruncate(fd, slots * slot_bytes)
+        return cls(fd, slots, slot_bytes)
+
+    def write(self, slot: int, rows: np.ndarray) -> None:
+        """Copy ``rows`` (C-contiguous or not) into ``slot``."""
+        nbytes = rows.nbytes
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes of rows do not fit a {self.slot_bytes}-byte slot")
+        start = slot * self.slot_bytes
+        target = self._bytes[start : start + nbytes].view(rows.dtype).reshape(rows.shape)
+        np.copyto(target, rows)
+
+    def read(self, slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A view of ``slot`` as an array (valid until the slot is written again)."""
+        start = slot * self.slot_bytes
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self._bytes[start : start + nbytes].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        """Unmap and close; memory of views still held stays valid until they go."""
+        del self._bytes
+        with contextlib.suppress(BufferError):  # a view still refers to it: it goes with the view
+            self._map.close()
+        os.close(self.fd)

@@ -36,6 +36,7 @@ RIGHT_R3 = (
     "ours+background",
     "ours+allinline",
     "ours+copyframes",
+    "ours+process",
 )
 
 

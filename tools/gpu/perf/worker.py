@@ -228,6 +228,7 @@ class Worker:
         # "ours+perlayer", vLLM's per-layer capture in eager steps instead of ours, batched;
         # "ours+fresh", row arrays in fresh memory, not reused; "ours+background", every batch
         # published on the background thread; "ours+allinline", every batch of blocks inline;
+        # "ours+process", ours with --artifact-tracker process (the tracker process);
         # "+copyframes", the engine's ZMQ frames copied, never zero-copy (these: R3 right,
         # report.RIGHT_R3); "+twin", nothing changed: a second engine of the same
         # configuration in the same rounds, an A/A control of the measure itself
@@ -247,6 +248,8 @@ class Worker:
             kwargs["enable_return_routed_experts"] = True
         elif self.base == "ours":
             kwargs.update(enable_routed_experts=True, artifact_root=self.root)
+            if "process" in self.variants:
+                kwargs["artifact_tracker"] = "process"
         started = time.perf_counter()
         self.llm = LLM(self.model, **kwargs)
         startup = time.perf_counter() - started
@@ -287,6 +290,8 @@ class Worker:
                 applied += self.llm.collective_rpc(all_inline)
             elif variant == "copyframes":
                 applied += self.llm.collective_rpc(copied_frames)
+            elif variant == "process" and self.base == "ours":
+                applied.append("tracker process")
             elif variant == "twin":
                 applied.append("twin: unchanged")
             else:

@@ -50,6 +50,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -72,7 +73,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import BlockHash, init_none_hash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
-from vllm_artifact.core.keys import full_block_keys
+from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION, Namespace, full_block_keys
 from vllm_artifact.core.publisher import (
     MEMORY_STORE_INLINE_FROM_BLOCKS,
     BlockRun,
@@ -82,8 +83,11 @@ from vllm_artifact.core.publisher import (
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.core.tracker import RequestTracker
+from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.kv_events import eviction_id
+from vllm_artifact.integration.output_side import OutputSetup
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
+from vllm_artifact.integration.tracker_process import TrackerProcess
 from vllm_artifact.integration.worker_connector import ArtifactWorkerConnector
 
 LAYOUT = R3Layout(num_layers=58, top_k=8, num_experts=256, block_size=16)
@@ -110,7 +114,9 @@ PREFILL_SHAPES = {
 PREFILL_EVICTIONS_PER_STEP = PREFILL_TOKEN_BUDGET // LAYOUT.block_size
 WARM_UP_STEPS = 20
 TARGET_SCHEDULER_MS = 0.3
-PER_STEP = "ours, per step"  # the configuration of ours that holds no rows
+PER_STEP = "ours, per step"
+#: ``--tracker process``: ours runs its tracker in the tracker process.
+TRACKER_PROCESS = False  # the configuration of ours that holds no rows
 TARGET_WORKER_MS = 0.5
 
 
@@ -437,11 +443,53 @@ WRITER_THREADS = {
 
 
 def writer_cpu_seconds(name: str) -> float:
-    """CPU seconds so far of the live thread called ``name`` (its per-thread CPU clock)."""
+    """CPU seconds so far of the live thread called ``name`` (its per-thread CPU clock); 0
+    with ``--tracker process`` (ours writes in the tracker process)."""
     for thread in threading.enumerate():
         if thread.name == name and thread.ident is not None:
             return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    if name == WRITER_THREADS["ours"] and TRACKER_PROCESS:
+        return 0.0
     raise RuntimeError(f"no thread {name!r}: the store writer did not start")
+
+
+def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
+    """Ours with ``--artifact-tracker process``: the step thread's CPU is the engine's share
+    (sending facts and rows, taking answers); the tracker's own work runs in that process."""
+    namespace = Namespace("bench", LAYOUT, DEFAULT_WEIGHT_VERSION)
+    with ShmStore.create_or_open_writer(
+        root, "bench-dp0", layout=LAYOUT, capacity_bytes=256 << 20
+    ) as store:  # the shared prefix, published by an earlier request
+        prefix_rows = np.random.default_rng(1).integers(
+            0, 256, (SHARED_BLOCKS * 16, 58, 8), dtype=np.uint8
+        )
+        store.put_blocks(full_block_keys(namespace, PREFIX_HASHES), prefix_rows, 0)
+    setup = OutputSetup(
+        config=ArtifactConfig(enabled=True, root=Path(root), capacity=256 << 20, tracker="process"),
+        family="bench-dp",
+        dp_rank=0,
+        layout=LAYOUT,
+        model_id="bench",
+        capacity=256 << 20,
+        kv_hash_blocks=0,
+        buffer_max_bytes=512 << 20,
+    )
+    capturer = StandInCapturer()
+    worker = object.__new__(ArtifactWorkerConnector)
+    worker._capturer = capturer  # type: ignore[assignment]
+    worker._lock = threading.Lock()
+    worker._step_active = False
+    worker._steps_started = 0
+    worker._store = worker._publisher = worker._tracker = worker._engine_store = None
+    worker._process = TrackerProcess(setup, max_rows=PREFILL_TOKEN_BUDGET + CONCURRENCY)
+    worker._layout = LAYOUT
+    worker._keys_context = None
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
+    log = WriteLog(lambda runs, log: runs)
+    config = Config("ours", scheduler, worker, capturer, log, lambda: 0.0, workload)
+    return config, worker.close
 
 
 class PerStepRowsScheduler(ArtifactSchedulerConnector):
@@ -513,6 +561,7 @@ def ours(
     worker._generation = 0
     worker._step_active = False
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
+    worker._process, worker._steps_started = None, 0
     worker._engine_store = None  # the store is closed with the worker (close below)
     worker._layout = LAYOUT
     worker._keys_context = None
@@ -608,19 +657,32 @@ def main() -> None:
         "prefill-hits: the H200 harness's prefill (2049-token prompts, a 1536-token hit)",
     )
     parser.add_argument(
+        "--tracker",
+        choices=("engine", "process"),
+        default="engine",
+        help="ours with --artifact-tracker process: its step thread's CPU is then the "
+        "engine's share, the tracker's work runs in the tracker process",
+    )
+    parser.add_argument(
         "--background-publisher",
         action="store_true",
         help="ours publishes every batch on its background thread (as for a network store), "
         "its large ones too, which the engine writes inline with its /dev/shm store",
     )
     args = parser.parse_args()
+    global TRACKER_PROCESS
+    TRACKER_PROCESS = args.tracker == "process"
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
     os.mkdir(root, 0o700)
     closers: list[Callable[[], None]] = []
     try:
         configs = []
         for make in (
-            lambda: ours(root, args.workload, background=args.background_publisher),
+            lambda: (
+                ours_in_a_tracker_process(root, args.workload)
+                if TRACKER_PROCESS
+                else ours(root, args.workload, background=args.background_publisher)
+            ),
             lambda: vllms_own(args.workload),
             lambda: ours(root, args.workload, PER_STEP, background=args.background_publisher),
         ):
@@ -631,8 +693,11 @@ def main() -> None:
             for config in configs:
                 config.run(args.steps)
         publisher = configs[0].worker._publisher
-        publisher.flush()
-        assert not publisher.failures, "every block was published (see the log)"
+        if publisher is not None:
+            publisher.flush()
+            assert not publisher.failures, "every block was published (see the log)"
+        else:
+            configs[0].worker.flush_publications()
         report(configs)
     finally:
         for close in closers:

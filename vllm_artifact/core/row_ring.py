@@ -1,6 +1,8 @@
 """Fixed slots of shared memory that carry each step's rows from the engine to the tracker
-process: one copy in, no pickling, no name in any filesystem (an anonymous ``memfd`` the
-child inherits), freed when both sides close it."""
+process, and the arrays of its answer back: one copy in, one copy out, no pickling of rows, no
+name in any filesystem (an anonymous ``memfd`` the child inherits), freed when both sides
+close it. A slot serves one step at a time: its rows, then (once the process has copied them
+out) the answer's arrays."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import mmap
 import os
 
 import numpy as np
+
+from vllm_artifact.core.buffer import copy_rows_into
+from vllm_artifact.core.recycled_arrays import RecycledArrays, empty
 
 __all__ = ["RowRing"]
 
@@ -44,6 +49,33 @@ class RowRing:
         start = slot * self.slot_bytes
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return self._bytes[start : start + nbytes].view(dtype).reshape(shape)
+
+    def write_buffers(self, slot: int, buffers: list[memoryview]) -> list[tuple[int, int]] | None:
+        """Copy ``buffers`` (contiguous bytes) into ``slot`` end to end; their ``(offset,
+        nbytes)``, or None if they do not fit (nothing written)."""
+        sizes = [buffer.nbytes for buffer in buffers]
+        if sum(sizes) > self.slot_bytes:
+            return None
+        spans, at = [], slot * self.slot_bytes
+        for buffer, nbytes in zip(buffers, sizes, strict=True):
+            self._bytes[at : at + nbytes] = np.frombuffer(buffer.cast("B"), dtype=np.uint8)
+            spans.append((at, nbytes))
+            at += nbytes
+        return spans
+
+    def copy_out(
+        self, spans: list[tuple[int, int]], arrays: RecycledArrays | None = None
+    ) -> list[np.ndarray]:
+        """Copies of the byte ranges ``spans`` (as :meth:`write_buffers` gave them), in
+        ``arrays``' reused memory if given (a prefill step's answer is tens of megabytes:
+        fresh memory would be faulted in page by page), keeping the GIL (core/buffer.py)."""
+        copies = []
+        for at, nbytes in spans:
+            out = empty((nbytes,), np.uint8, arrays)
+            source = self._bytes[at : at + nbytes]
+            copy_rows_into(out.reshape(nbytes, 1, 1), source.reshape(nbytes, 1, 1))
+            copies.append(out)
+        return copies
 
     def close(self) -> None:
         """Unmap and close; memory of views still held stays valid until they go."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import numpy as np
 from vllm_artifact.contract import StepResult
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.row_ring import RowRing
 from vllm_artifact.core.step_facts import StepFacts
 from vllm_artifact.errors import ArtifactError, TrackerProcessError
@@ -45,6 +47,8 @@ logger = logging.getLogger("vllm.artifact.worker")
 
 #: Steps whose rows may be in the ring at once (async scheduling keeps one or two in flight).
 RING_SLOTS = 4
+#: A ring slot holds this many times a step's rows (its answer's arrays come back there).
+ANSWER_ROOM = 8
 #: How long the process may take to open the store and answer.
 START_TIMEOUT_S = 120.0
 #: How long one step's answer may take before the process is taken for hung.
@@ -77,10 +81,15 @@ class TrackerProcess:
 
     def __init__(self, setup: OutputSetup, *, max_rows: int) -> None:
         self._setup = setup
-        self._ring = RowRing.create(RING_SLOTS, max_rows * setup.layout.row_nbytes)
+        # An answer's arrays are the rows of each prompt that ends in the step, its prefix
+        # hit's included: several times the step's own rows. Memory is taken as it is
+        # touched; larger answers travel in the pickle.
+        slot_bytes = ANSWER_ROOM * max_rows * setup.layout.row_nbytes
+        self._ring = RowRing.create(RING_SLOTS, slot_bytes)
         self._free_slots: list[int] = []
         self._slot_of: dict[int, int] = {}  # seq -> ring slot of a sent step
         self._answers: dict[int, StepResult] = {}
+        self._arrays = RecycledArrays()  # the answers' arrays (core/recycled_arrays.py)
         self._unsent: deque[CopiedStep] = deque()  # started steps, oldest first
         self._conn: Connection | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -302,9 +311,18 @@ class TrackerProcess:
         if received[0] == "done":
             self._keep(*received[1:])
 
-    def _keep(self, seq: int, result: StepResult, counters: TrackerCounters) -> None:
+    def _keep(
+        self,
+        seq: int,
+        packed: tuple[bytes, list[tuple[int, int]] | None],
+        counters: TrackerCounters,
+    ) -> None:
+        """Unpack step ``seq``'s answer, its arrays copied out of its slot, which is free
+        again."""
+        data, spans = packed
+        buffers = None if spans is None else self._ring.copy_out(spans, self._arrays)
+        self._answers[seq] = pickle.loads(data, buffers=buffers)
         self._free_slots.append(self._slot_of.pop(seq))
-        self._answers[seq] = result
         self.counters = counters
 
     def _receive(self, timeout: float) -> tuple[str, Any, Any, Any]:

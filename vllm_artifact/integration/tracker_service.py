@@ -12,6 +12,7 @@ vLLM, and it exits when the engine closes the socket (the engine's end, however 
 from __future__ import annotations
 
 import logging
+import pickle
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
@@ -102,6 +103,19 @@ class _Service:
         return TrackerCounters(tracker.reads, tracker.adopted, tracker.tails_published)
 
 
+def pack_answer(
+    result: StepResult, ring: RowRing, slot: int
+) -> tuple[bytes, list[tuple[int, int]] | None]:
+    """``result`` pickled with its arrays' bytes in ring slot ``slot`` (the step's rows were
+    copied out of it already), or all in the pickle if they do not fit there."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(result, protocol=5, buffer_callback=buffers.append)
+    spans = ring.write_buffers(slot, [buffer.raw() for buffer in buffers])
+    if spans is None:
+        return pickle.dumps(result, protocol=5), None
+    return data, spans
+
+
 def serve(conn: Connection, ring: RowRing) -> None:
     """Open the output side from the first message, then answer the engine until it goes."""
     setup: OutputSetup = conn.recv()
@@ -126,7 +140,8 @@ def serve(conn: Connection, ring: RowRing) -> None:
                 side.tracker.step_started(payload)
             elif kind == "step":
                 result = service.finished(payload)
-                conn.send(("done", payload.seq, result, service.counters()))
+                packed = pack_answer(result, ring, payload.slot)
+                conn.send(("done", payload.seq, packed, service.counters()))
             elif kind == "flush":
                 flush_error: Exception | None = None
                 try:

@@ -457,20 +457,24 @@ def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callabl
     """Ours with ``--artifact-tracker process``: the step thread's CPU is the engine's share
     (sending facts and rows, taking answers); the tracker's own work runs in that process."""
     namespace = Namespace("bench", LAYOUT, DEFAULT_WEIGHT_VERSION)
+    # The tracker process reopens the store, and a reopened store's objects are unpinned (a
+    # restart's): the shared prefix must outlive the run's writes without its pin, so the
+    # store holds them all (a few GiB of /dev/shm, touched as written).
+    capacity = 3 << 30
     with ShmStore.create_or_open_writer(
-        root, "bench-dp0", layout=LAYOUT, capacity_bytes=256 << 20
+        root, "bench-dp0", layout=LAYOUT, capacity_bytes=capacity
     ) as store:  # the shared prefix, published by an earlier request
         prefix_rows = np.random.default_rng(1).integers(
             0, 256, (SHARED_BLOCKS * 16, 58, 8), dtype=np.uint8
         )
         store.put_blocks(full_block_keys(namespace, PREFIX_HASHES), prefix_rows, 0)
     setup = OutputSetup(
-        config=ArtifactConfig(enabled=True, root=Path(root), capacity=256 << 20, tracker="process"),
+        config=ArtifactConfig(enabled=True, root=Path(root), capacity=capacity, tracker="process"),
         family="bench-dp",
         dp_rank=0,
         layout=LAYOUT,
         model_id="bench",
-        capacity=256 << 20,
+        capacity=capacity,
         kv_hash_blocks=0,
         buffer_max_bytes=512 << 20,
     )

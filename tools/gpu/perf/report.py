@@ -15,6 +15,9 @@ PAIRS = (
     ("ours", "off"),
     ("native", "off"),
     ("ours", "native"),
+    ("ours+process", "off"),  # --artifact-tracker process
+    ("ours+process", "ours"),
+    ("ours+process", "native"),
     ("ours+nocap", "ours"),
     ("ours+nocopy", "ours"),
     ("ours", "ours+pinnedviews"),

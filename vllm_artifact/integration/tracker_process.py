@@ -172,9 +172,10 @@ class TrackerProcess:
     def _went(self, error: BaseException) -> None:
         """The process is gone (or hung): fail what is expected of it, keep the engine up."""
         code = None if self._proc is None else self._proc.poll()
+        why = str(error) or type(error).__name__
         self._gone = TrackerProcessError(
-            f"the R3 tracker process ended (exit code {code}; {error or type(error).__name__}); "
-            "R3 of requests it tracked is lost"
+            f"the R3 tracker process ended (exit code {code}; {why}); R3 of requests it "
+            "tracked is lost"
         )
         logger.error("vllm-artifact: %s", self._gone)
         if self._proc is not None and code is None:
@@ -280,7 +281,10 @@ class TrackerProcess:
         slot = self._free_slots.pop()
         self._ring.write(slot, rows)
         self._slot_of[seq] = slot
-        return self._send(("step", FinishedStep(seq=seq, slot=slot, num_rows=len(rows), **step)))
+        # Not to a new process if this one is found gone: the step's requests were its own.
+        return self._send_once(
+            ("step", FinishedStep(seq=seq, slot=slot, num_rows=len(rows), **step))
+        )
 
     def result(self, seq: int, request_ids: list[str]) -> StepResult:
         """Step ``seq``'s answer (waiting for it); its requests' failure if it cannot come."""
@@ -304,7 +308,8 @@ class TrackerProcess:
                 if answer is not None:
                     raise answer
                 return
-            self._keep(seq, answer, counters)
+            if kind == "done":
+                self._keep(seq, answer, counters)
 
     def _take_answer(self) -> None:
         received = self._receive(ANSWER_TIMEOUT_S)
@@ -322,7 +327,9 @@ class TrackerProcess:
         data, spans = packed
         buffers = None if spans is None else self._ring.copy_out(spans, self._arrays)
         self._answers[seq] = pickle.loads(data, buffers=buffers)
-        self._free_slots.append(self._slot_of.pop(seq))
+        slot = self._slot_of.pop(seq, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         self.counters = counters
 
     def _receive(self, timeout: float) -> tuple[str, Any, Any, Any]:

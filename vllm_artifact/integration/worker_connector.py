@@ -9,9 +9,10 @@ vLLM's ``RoutedExpertsCapturer`` (as :class:`~.capture.BatchedEagerCapturer`, wh
 eager step's layers once) takes each step's router top-k on every TP rank (capture joins TP
 collectives). On TP rank zero this module cuts each request's rows out of the step (dropping
 rejected draft tokens) and hands them, with the scheduler's facts, to the pure
-:class:`~vllm_artifact.core.tracker.RequestTracker`, which buffers, publishes (in the
-background) and emits rows, reading KV-cache hits from the /dev/shm store and failing single
-requests closed.
+:class:`~vllm_artifact.core.tracker.RequestTracker`, which buffers, publishes and emits rows,
+reading KV-cache hits from the /dev/shm store and failing single requests closed: in this
+process, or with ``--artifact-tracker process`` in a process of its own
+(``tracker_process.py``), fed each step's rows through shared memory.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.step_facts import HashRun, StepFacts, apply_step_facts
 from vllm_artifact.core.store import ObjectStore
-from vllm_artifact.core.store.node_stores import NodeStores
 from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.errors import InternalError
@@ -211,7 +211,6 @@ class ArtifactWorkerConnector:
         self._output_ready = False
         self._engine_store: EngineStore | None = None
         self._store: ObjectStore | None = None
-        self._node_stores: NodeStores | None = None
         self._publisher: Publisher | None = None
         self._tracker: RequestTracker | None = None
         self._process: TrackerProcess | None = None  # --artifact-tracker process
@@ -298,18 +297,12 @@ class ArtifactWorkerConnector:
         return None if self._process is None else self._process.pid
 
     def _counters(self) -> tuple[int, int, int]:
+        """The tracker's reads, adoptions and tails published, wherever it runs."""
         if self._process is not None:
             return self._process.counters
-        tracker = self._tracker
-        return (
-            (0, 0, 0)
-            if tracker is None
-            else (
-                tracker.reads,
-                tracker.adopted,
-                tracker.tails_published,
-            )
-        )
+        if self._tracker is None:
+            return (0, 0, 0)
+        return (self._tracker.reads, self._tracker.adopted, self._tracker.tails_published)
 
     @property
     def reads(self) -> int:
@@ -444,7 +437,7 @@ class ArtifactWorkerConnector:
             if self._engine_store is not None:
                 self._engine_store.close()
                 self._engine_store = None
-                self._store = self._node_stores = None
+                self._store = None
 
 
 if TYPE_CHECKING:  # mypy holds both classes to the contract's protocols

@@ -1,0 +1,136 @@
+"""The engine's end of the tracker process against a real one on a private /dev/shm root: a
+request's rows come back whether its answer fits the step's ring slot or travels in the
+pickle, and a killed process fails only what it owed, then a new one serves."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_artifact.contract import EmittedRows
+from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
+from vllm_artifact.core.schema import R3Layout
+from vllm_artifact.core.step_facts import StepFacts
+from vllm_artifact.integration.config import ArtifactConfig
+from vllm_artifact.integration.output_side import OutputSetup
+from vllm_artifact.integration.tracker_process import TrackerProcess
+
+LAYOUT = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=4)
+MAX_ROWS = 4  # rows a step: a ring slot holds 8 x 4 rows of answers
+
+
+@dataclass
+class Step:
+    """A finished step of one request, its rows already in host memory."""
+
+    seq: int
+    request_ids: list[str]
+    rows: np.ndarray | None
+    token_start: int
+    sampled: bool = True
+    error: Exception | None = None
+
+    def copied(self, wait: bool = False) -> bool:
+        return True
+
+    def columns(self, rows: np.ndarray) -> dict[str, Any]:
+        n = len(rows)
+        return dict(
+            request_ids=self.request_ids,
+            token_starts=np.array([self.token_start]),
+            num_scheduled=np.array([n]),
+            row_starts=np.array([0]),
+            row_ends=np.array([n]),
+            sampled=np.array([self.sampled]),
+        )
+
+
+@pytest.fixture
+def process() -> Iterator[TrackerProcess]:
+    root = Path(f"/dev/shm/vllm-artifact-test-{uuid.uuid4().hex[:8]}")
+    root.mkdir(mode=0o700)
+    setup = OutputSetup(
+        config=ArtifactConfig(enabled=True, root=root, capacity=1 << 20, tracker="process"),
+        family="r3-test-dp",
+        dp_rank=0,
+        layout=LAYOUT,
+        model_id="m",
+        capacity=1 << 20,
+        kv_hash_blocks=8,
+        buffer_max_bytes=1 << 20,
+    )
+    tracker = TrackerProcess(setup, max_rows=MAX_ROWS)
+    yield tracker
+    tracker.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def serve(process: TrackerProcess, request_id: str, rows: np.ndarray, seq: int) -> Any:
+    """Admit the request and run its prompt in chunks of ``MAX_ROWS`` tokens, one step each
+    (steps ``seq``, ``seq + 1``, ...); the last step's answer."""
+    hashes = [hashlib.sha256(f"{request_id}{i}".encode()).digest() for i in range(2)]
+    process.begin(
+        StepFacts(
+            weight_version=DEFAULT_WEIGHT_VERSION,
+            generation=0,
+            admitted={request_id: 0},
+            block_hashes={request_id: hashes},
+        )
+    )
+    for start in range(0, len(rows), MAX_ROWS):
+        process.step_started([request_id])
+        last = start + MAX_ROWS >= len(rows)
+        step = Step(seq, [request_id], rows[start : start + MAX_ROWS], start, sampled=last)
+        seq += 1
+        process.queue_step(step)
+        answer = process.step_result(step)
+    return answer
+
+
+def rows_of(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 8, (n, *LAYOUT.row_shape)).astype(LAYOUT.dtype)
+
+
+@pytest.mark.parametrize("tokens", [30, 40], ids=["in the slot", "in the pickle"])
+def test_a_steps_rows_come_back(process: TrackerProcess, tokens: int) -> None:
+    rows = rows_of(tokens, 0)
+    answer = serve(process, "a", rows, seq=0)
+    entry = answer.entries["a"]
+    assert isinstance(entry, EmittedRows) and entry.token_start == 0
+    np.testing.assert_array_equal(entry.rows, rows)
+    process.flush(10.0)
+
+
+def test_a_killed_process_fails_what_it_owed_and_a_new_one_serves(
+    process: TrackerProcess,
+) -> None:
+    first = process.pid
+    assert first is not None
+    np.testing.assert_array_equal(
+        serve(process, "a", rows_of(3, 1), 0).entries["a"].rows, rows_of(3, 1)
+    )
+    # Started, its rows sent, then the process is killed before it answers.
+    process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0, admitted={"b": 0}))
+    process.step_started(["b"])
+    os.kill(first, signal.SIGSTOP)  # it cannot answer before it dies
+    step = Step(1, ["b"], rows_of(3, 2), 0)
+    process.queue_step(step)
+    process.send_copied()
+    os.kill(first, signal.SIGKILL)
+    failure = process.step_result(step).entries["b"]
+    assert getattr(failure, "reason", None) == "tracker_process"
+    # The next request is served by a new process.
+    answer = serve(process, "c", rows_of(3, 3), seq=2)
+    assert process.pid not in (None, first)
+    np.testing.assert_array_equal(answer.entries["c"].rows, rows_of(3, 3))

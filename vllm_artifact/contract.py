@@ -65,6 +65,7 @@ request's fault.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -182,6 +183,17 @@ class StepResult:
                 ids, starts = self.decode_ids, self.decode_token_starts
                 rows_by_id.update((ids[i], (starts[i], rows[i : i + 1])) for i in decode)
         return rows_by_id
+
+    @classmethod
+    def unprocessed(cls, request_ids: Sequence[str], error: Exception) -> StepResult:
+        """A step that could not be processed: each of its requests fails (an internal error
+        of ours; the engine goes on)."""
+        failure = R3Failure(
+            "internal",
+            f"R3 (routed experts) of this step could not be processed: {error} (an internal "
+            "error of vllm-artifact: please report it)",
+        )
+        return cls(entries=dict.fromkeys(request_ids, failure))
 
     def failures(self) -> dict[str, R3Failure]:
         """The requests that failed this step."""

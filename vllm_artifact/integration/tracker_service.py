@@ -20,7 +20,6 @@ import numpy as np
 
 from vllm_artifact.contract import StepResult
 from vllm_artifact.core.buffer import copy_rows
-from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.row_ring import RowRing
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
@@ -91,12 +90,7 @@ class _Service:
             )
         except Exception as error:  # the step's requests fail; the process goes on
             logger.exception("vllm-artifact: a step's R3 could not be processed")
-            failure = R3Failure(
-                "internal",
-                f"R3 (routed experts) of this step could not be processed: {error} (an internal "
-                "error of vllm-artifact: please report it)",
-            )
-            return StepResult(entries=dict.fromkeys(step.request_ids, failure))
+            return StepResult.unprocessed(step.request_ids, error)
 
     def counters(self) -> TrackerCounters:
         tracker = self.side.tracker

@@ -34,7 +34,6 @@ from vllm_artifact.contract import (
     WorkerConnector,
 )
 from vllm_artifact.core.buffer import copy_rows
-from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
 from vllm_artifact.core.publisher import Publisher
 from vllm_artifact.core.recycled_arrays import RecycledArrays
@@ -397,12 +396,7 @@ class ArtifactWorkerConnector:
             return self._process_output(pending)
         except Exception as error:
             logger.exception("vllm-artifact: a step's R3 could not be processed")
-            failure = R3Failure(
-                "internal",
-                f"R3 (routed experts) of this step could not be processed: {error} (an internal "
-                "error of vllm-artifact: please report it)",
-            )
-            return StepResult(entries=dict.fromkeys(pending.request_ids, failure))
+            return StepResult.unprocessed(pending.request_ids, error)
 
     def _process_output(self, pending: PendingArtifactStep) -> StepResult:
         if self._process is not None:

@@ -7,6 +7,8 @@ and a KV storage (each its own store root, as on two nodes), a prefill one and a
 R3 is oracle-equal; prefix hits read it back from Mooncake; a keys handle names the Mooncake
 store and another process reads it; the decode engine's prompt rows come from Mooncake, where
 the prefill engine put them; after the prefill engine is SIGKILLed its R3 is still served.
+The decode engine runs ``--artifact-tracker process``: its Mooncake client is the tracker
+process's.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ def pair(
 ) -> tuple[Any, Any]:
     storage = tmp_path_factory.mktemp("mooncake-kv")
 
-    def engine(role: str, node: str) -> Any:
+    def engine(role: str, node: str, tracker: str) -> Any:
         return llm_factory(
             model_a,
+            artifact_tracker=tracker,
             artifact_root=str(store_root / node),  # no /dev/shm store in common
             artifact_backend="mooncake",
             artifact_mooncake_master=master.master_address,
@@ -74,7 +77,11 @@ def pair(
             },
         )
 
-    return engine("kv_producer", "prefill-node"), engine("kv_consumer", "decode-node")
+    # The decode engine tracks in a tracker process: Mooncake reads and writes from there.
+    return (
+        engine("kv_producer", "prefill-node", "engine"),
+        engine("kv_consumer", "decode-node", "process"),
+    )
 
 
 def test_r3_through_mooncake_equals_the_oracle_and_hits_read_it_back(
@@ -125,7 +132,9 @@ def test_decode_engine_reads_the_prompts_r3_from_mooncake_even_after_the_prefill
     (prefilled,) = producer.generate([text], PREFILL)
     assert prefilled.outputs[0].finish_reason == "length"
     connector_stats(producer)  # its publications are out
-    before = connector_stats(consumer)["reads"]
+    stats = connector_stats(consumer)
+    assert "tracker_pid" in stats, "the decode engine tracks in a tracker process"
+    before = stats["reads"]
     (decoded,) = consumer.generate([text], GREEDY)
     assert decoded.outputs[0].finish_reason == "length", decoded.outputs[0].stop_reason
     assert decoded.num_cached_tokens >= BLOCK, "the prompt's KV must come from the KV connector"

@@ -17,10 +17,19 @@ from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
 
 def connector_stats(llm: Any) -> dict[str, int]:
     """Counters of the rank-zero worker connector, read through vLLM's ``collective_rpc``
-    (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to send the function to the workers)."""
+    (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to send the function to the workers). With
+    ``--artifact-tracker process`` the store is the tracker process's: its counters only."""
 
     def stats(worker: Any) -> dict[str, int]:
         connector = worker.model_runner.aux_output_connector
+        if connector is not None and connector.tracker_pid is not None:
+            connector.flush_publications()
+            return {
+                "reads": connector.reads,
+                "adopted": connector.adopted,
+                "tails": connector.tails_published,
+                "tracker_pid": connector.tracker_pid,
+            }
         if connector is None or connector.store is None:
             return {}
         connector.flush_publications()  # counts after the background writes, not racing them

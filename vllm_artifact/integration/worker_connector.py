@@ -134,7 +134,9 @@ class PendingArtifactStep:
         if self.snapshot is not None:
             self.pinned = self.snapshot.is_cuda
             self.rows = self.snapshot.to("cpu", non_blocking=True).numpy()
-            if self.pinned:
+            if self.pinned and self.connector.tracks_in_a_process:
+                # The tracker process is sent the rows once they land (not in-engine: there
+                # process_output is called after MRV2 waited for the copy).
                 self.copy_done = torch.cuda.Event()
                 self.copy_done.record()
 
@@ -289,6 +291,11 @@ class ArtifactWorkerConnector:
     @property
     def store(self) -> ObjectStore | None:
         return self._store
+
+    @property
+    def tracks_in_a_process(self) -> bool:
+        """``--artifact-tracker process`` (whether or not the process is up right now)."""
+        return self._process is not None
 
     @property
     def tracker_pid(self) -> int | None:

@@ -49,14 +49,20 @@ def check(model: Path, output: Any) -> None:
     assert_matches_oracle(model, output)
 
 
+@pytest.mark.parametrize("tracker", ["engine", "process"])
 def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
-    model_b: Path, store_root: Path, llm_factory: Any
+    model_b: Path, store_root: Path, llm_factory: Any, kill_engine: Any, tracker: str
 ) -> None:
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     # Two CPU workers on two cores must be bound by hand (vLLM's automatic binding needs NUMA).
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     try:
-        llm = llm_factory(model_b, artifact_root=str(store_root / "tp2"), tensor_parallel_size=2)
+        llm = llm_factory(
+            model_b,
+            artifact_root=str(store_root / f"tp2-{tracker}"),
+            artifact_tracker=tracker,
+            tensor_parallel_size=2,
+        )
     finally:
         if previous is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
@@ -64,8 +70,15 @@ def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
 
     def roles(worker: Any) -> tuple[bool, bool, bool]:
-        """Connector, store, large batches written inline (the /dev/shm store's writer)."""
+        """Connector, store, large batches written inline (the /dev/shm store's writer), or
+        with the tracker process: connector, tracker process, no store in this process."""
         connector = worker.model_runner.aux_output_connector
+        if tracker == "process":
+            return (
+                connector is not None,
+                connector.tracker_pid is not None,
+                connector.store is None,
+            )
         publisher = connector._publisher
         return (
             connector is not None,
@@ -73,7 +86,10 @@ def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
             publisher is not None and publisher.inline_from_blocks is not None,
         )
 
-    assert sorted(llm.collective_rpc(roles)) == [(True, False, False), (True, True, True)]
+    writer = [(True, False, True), (True, True, True)] if tracker == "process" else None
+    assert sorted(llm.collective_rpc(roles)) == (
+        writer or [(True, False, False), (True, True, True)]
+    )
     prompts = [PROMPT, "The router picks four of three hundred experts."]
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts[:1], GREEDY)[0]
@@ -92,6 +108,7 @@ def test_tensor_parallel_2_uint16_model_rank_zero_alone_writes(
     np.testing.assert_array_equal(
         again.outputs[0].routed_experts, first[0].outputs[0].routed_experts
     )
+    kill_engine(llm)  # two CPU workers each: not kept for the module's other engines
 
 
 def test_external_kv_hit_after_restart_is_served_from_the_store(

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,44 @@ def test_a_killed_process_fails_what_it_owed_and_a_new_one_serves(
     answer = serve(process, "c", rows_of(3, 3), seq=2)
     assert process.pid not in (None, first)
     np.testing.assert_array_equal(answer.entries["c"].rows, rows_of(3, 3))
+
+
+@dataclass
+class Landing:
+    """A started step whose GPU copy lands when the test says (or when waited for)."""
+
+    seq: int
+    landed: bool = False
+    waited: bool = False
+    request_ids: tuple[str, ...] = ()
+
+    def copied(self, wait: bool = False) -> bool:
+        if wait:
+            self.waited = self.landed = True
+        return self.landed
+
+
+def test_steps_go_once_their_copy_landed_in_order_and_an_answer_waits_for_its_own() -> None:
+    """At a step's start only the steps whose rows have landed go, oldest first; asking for
+    a step's answer waits for its copy and every older one's, never sending one twice."""
+    tracker = object.__new__(TrackerProcess)
+    tracker._unsent = deque()
+    sent: list[int] = []
+    tracker._send_one = lambda step: sent.append(step.seq)  # type: ignore[method-assign]
+    tracker.result = lambda seq, ids: seq  # type: ignore[method-assign,assignment,return-value]
+    a, b, c = Landing(0, landed=True), Landing(1), Landing(2, landed=True)
+    for step in (a, b, c):
+        tracker.queue_step(step)  # type: ignore[arg-type]
+    tracker.send_copied()
+    assert sent == [0]  # b still being copied: c waits behind it
+    tracker.send_copied()
+    assert sent == [0]
+    b.landed = True
+    tracker.send_copied()
+    assert sent == [0, 1, 2]
+    d = Landing(3)
+    tracker.queue_step(d)  # type: ignore[arg-type]
+    assert tracker.step_result(d) == 3  # type: ignore[arg-type,comparison-overlap]
+    assert d.waited and sent == [0, 1, 2, 3]
+    assert tracker.step_result(a) == 0  # type: ignore[arg-type,comparison-overlap]
+    assert sent == [0, 1, 2, 3]

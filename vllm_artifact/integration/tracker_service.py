@@ -56,6 +56,8 @@ class TrackerCounters(NamedTuple):
 
 
 class _Service:
+    """The engine's messages applied to the output side, as the worker connector would."""
+
     def __init__(self, side: OutputSide, ring: RowRing, layout: R3Layout) -> None:
         self.side = side
         self.ring = ring

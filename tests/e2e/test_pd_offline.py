@@ -59,13 +59,18 @@ def pd_root(store_root: Path) -> Path:
 @pytest.fixture(scope="module")
 def pair(model_a: Path, pd_root: Path, tmp_path_factory: Any, llm_factory: Any) -> tuple[Any, Any]:
     """A producer (prefill) and a consumer (decode) engine on one root and one KV storage
-    (the store-deleting test runs last: the producer's R3 is gone after it)."""
+    (the store-deleting test runs last: the producer's R3 is gone after it). The consumer
+    tracks in a tracker process (``--artifact-tracker process``): the producer's objects are
+    read and adopted there."""
     storage = tmp_path_factory.mktemp("pd-kv")
     producer = llm_factory(
         model_a, artifact_root=str(pd_root), kv_transfer_config=kv_transfer("kv_producer", storage)
     )
     consumer = llm_factory(
-        model_a, artifact_root=str(pd_root), kv_transfer_config=kv_transfer("kv_consumer", storage)
+        model_a,
+        artifact_root=str(pd_root),
+        artifact_tracker="process",
+        kv_transfer_config=kv_transfer("kv_consumer", storage),
     )
     return producer, consumer
 
@@ -84,6 +89,7 @@ def test_decode_side_r3_is_complete_and_equals_the_oracle(
 ) -> None:
     _, consumer = pair
     before = connector_stats(consumer)
+    assert "tracker_pid" in before, "the consumer tracks in a tracker process"
     output = disaggregated(pair, prompt("first"))
     assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
     experts = assert_matches_oracle(model_a, output)

@@ -176,3 +176,14 @@ def test_steps_go_once_their_copy_landed_in_order_and_an_answer_waits_for_its_ow
     assert d.waited and sent == [0, 1, 2, 3]
     assert tracker.step_result(a) == 0  # type: ignore[arg-type,comparison-overlap]
     assert sent == [0, 1, 2, 3]
+
+
+def test_ctrl_c_leaves_the_process_to_the_engines_shutdown(process: TrackerProcess) -> None:
+    """SIGINT reaches a terminal's whole process group; the engine closes the socket as it
+    shuts down, and the tracker process goes then, not before."""
+    pid = process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGINT)
+    answer = serve(process, "a", rows_of(6, 4), seq=0)
+    assert process.pid == pid
+    np.testing.assert_array_equal(answer.entries["a"].rows, rows_of(6, 4))

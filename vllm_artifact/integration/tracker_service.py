@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
@@ -157,6 +158,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="(R3 tracker) %(levelname)s %(asctime)s %(message)s"
     )
+    # Ctrl-C reaches the whole process group: the engine shuts down and closes the socket,
+    # which is this process's end; dying first would fail requests of a clean shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock_fd, ring_fd, slots, slot_bytes = (int(arg) for arg in argv)
     conn = Connection(sock_fd)
     ring = RowRing(ring_fd, slots, slot_bytes)

@@ -56,6 +56,12 @@ for phase in "$@"; do
                 --json "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.log" | grep -v " INFO " \
                 || status=1
             ;;
+        selftest-process)  # as selftest, with --artifact-tracker process
+            PROCESS=$(python3 -c 'import json, sys; a = json.loads(sys.argv[1]); a["artifact_tracker"] = "process"; print(json.dumps(a))' "$ENGINE_ARGS")
+            python3 -m vllm_artifact.selftest --engine-args "$PROCESS" \
+                --json "$OUT/selftest-process.json" 2>&1 | tee "$OUT/selftest-process.log" \
+                | grep -v " INFO " || status=1
+            ;;
         selftest-eager)  # no CUDA graphs
             EAGER=$(python3 -c 'import json, sys; a = json.loads(sys.argv[1]); a["enforce_eager"] = True; a["compilation_config"] = {"mode": 0, "custom_ops": ["none"]}; print(json.dumps(a))' "$ENGINE_ARGS")
             python3 -m vllm_artifact.selftest --engine-args "$EAGER" --json "$OUT/selftest-eager.json" \

@@ -36,13 +36,14 @@ class RowRing:
         return cls(fd, slots, slot_bytes)
 
     def write(self, slot: int, rows: np.ndarray) -> None:
-        """Copy ``rows`` (C-contiguous or not) into ``slot``."""
+        """Copy ``[tokens, layers, top_k]`` rows (C-contiguous or not) into ``slot``, keeping
+        the GIL (core/buffer.py: a release on the engine's step thread can cost it 5 ms)."""
         nbytes = rows.nbytes
         if nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes of rows do not fit a {self.slot_bytes}-byte slot")
         start = slot * self.slot_bytes
         target = self._bytes[start : start + nbytes].view(rows.dtype).reshape(rows.shape)
-        np.copyto(target, rows)
+        copy_rows_into(target, rows)
 
     def read(self, slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A view of ``slot`` as an array (valid until the slot is written again)."""

@@ -187,3 +187,24 @@ def test_ctrl_c_leaves_the_process_to_the_engines_shutdown(process: TrackerProce
     answer = serve(process, "a", rows_of(6, 4), seq=0)
     assert process.pid == pid
     np.testing.assert_array_equal(answer.entries["a"].rows, rows_of(6, 4))
+
+
+def test_a_steps_block_hashes_reach_the_process_in_our_own_type() -> None:
+    """vLLM's packed hashes would make the tracker process import vLLM to read them."""
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    tracker = object.__new__(TrackerProcess)
+    tracker._generation, tracker._live = 0, set()
+    sent: list[Any] = []
+    tracker._send = lambda message: sent.append(message) or True  # type: ignore[method-assign]
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    packed = PackedBlockHashes(b"".join(hashes), 32)
+    facts = StepFacts(
+        weight_version=DEFAULT_WEIGHT_VERSION, generation=0, block_hashes={"a": packed}
+    )
+    tracker.begin(facts)
+    ((kind, sent_facts),) = sent
+    assert kind == "begin" and type(sent_facts.block_hashes["a"]).__module__.startswith(
+        "vllm_artifact."
+    )
+    assert list(sent_facts.block_hashes["a"]) == hashes

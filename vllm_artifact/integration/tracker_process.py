@@ -18,6 +18,7 @@ which takes the store over and serves requests admitted from then on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -36,7 +38,7 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import StoreAddress
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.row_ring import RowRing
-from vllm_artifact.core.step_facts import StepFacts
+from vllm_artifact.core.step_facts import HashRun, StepFacts
 from vllm_artifact.errors import ArtifactError, TrackerProcessError
 from vllm_artifact.integration.output_side import OutputSetup
 from vllm_artifact.integration.tracker_service import FinishedStep, TrackerCounters
@@ -57,6 +59,15 @@ ANSWER_TIMEOUT_S = 60.0
 #: ``RESTART_WINDOW_S`` (a process that keeps dying would stall the engine at every start).
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
+
+
+def packed_hashes(hashes: Iterable[bytes]) -> Iterable[bytes]:
+    """vLLM's ``PackedBlockHashes`` as our :class:`HashRun`; anything else (a list of hashes)
+    as is."""
+    data, size = getattr(hashes, "data", None), getattr(hashes, "item_size", None)
+    if isinstance(data, bytes) and isinstance(size, int):
+        return HashRun(data, size)
+    return hashes
 
 
 class CopiedStep(Protocol):
@@ -221,6 +232,10 @@ class TrackerProcess:
         return self._usable() and self._send_once(message)
 
     def begin(self, facts: StepFacts) -> None:
+        """Send a step's facts, its block hashes in our own type (vLLM's would make the
+        process import vLLM to read them)."""
+        hashes = {rid: packed_hashes(h) for rid, h in facts.block_hashes.items()}
+        facts = dataclasses.replace(facts, block_hashes=hashes)
         if facts.generation != self._generation:
             self._live.clear()  # the tracker forgets every request (prefix-cache reset)
             self._generation = facts.generation
@@ -263,7 +278,7 @@ class TrackerProcess:
         columns = step.columns(rows)
         if rows.dtype != self._setup.layout.dtype:  # only top-1 models with exactly 256 experts
             rows = rows.astype(self._setup.layout.dtype)
-        self.send_step(step.seq, rows, columns)
+        self._send_step(step.seq, rows, columns)
 
     def step_result(self, step: CopiedStep) -> StepResult:
         """``step``'s answer: sent first if it was not yet (with every older step)."""
@@ -271,20 +286,18 @@ class TrackerProcess:
             self.send_copied(until=step)
         return self.result(step.seq, step.request_ids)
 
-    def send_step(self, seq: int, rows: np.ndarray, step: dict[str, Any]) -> bool:
+    def _send_step(self, seq: int, rows: np.ndarray, step: dict[str, Any]) -> None:
         """Hand over finished step ``seq`` (``step``: :class:`FinishedStep`'s other fields);
-        False if the process is gone (the step's answer is then a failure)."""
+        if the process is gone, the step's answer is a failure (:meth:`result`)."""
         while not self._free_slots and self._conn is not None:
             self._take_answer()  # every slot holds a step: wait for the oldest's answer
         if self._conn is None:
-            return False
+            return
         slot = self._free_slots.pop()
         self._ring.write(slot, rows)
         self._slot_of[seq] = slot
         # Not to a new process if this one is found gone: the step's requests were its own.
-        return self._send_once(
-            ("step", FinishedStep(seq=seq, slot=slot, num_rows=len(rows), **step))
-        )
+        self._send_once(("step", FinishedStep(seq=seq, slot=slot, num_rows=len(rows), **step)))
 
     def result(self, seq: int, request_ids: list[str]) -> StepResult:
         """Step ``seq``'s answer (waiting for it); its requests' failure if it cannot come."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,7 @@ from vllm_artifact.core.publisher import Publisher
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
-from vllm_artifact.core.step_facts import HashRun, StepFacts, apply_step_facts
+from vllm_artifact.core.step_facts import StepFacts, apply_step_facts
 from vllm_artifact.core.store import ObjectStore
 from vllm_artifact.core.store.shm_arena import ArenaGeometry
 from vllm_artifact.core.tracker import RequestTracker
@@ -66,22 +65,13 @@ logger = logging.getLogger("vllm.artifact.worker")
 AUTO_CAPACITY_FACTOR = 2
 
 
-def packed_hashes(hashes: Iterable[bytes]) -> Iterable[bytes]:
-    """vLLM's ``PackedBlockHashes`` as our :class:`HashRun` (no vLLM class crosses to the
-    tracker process); anything else (a list of hashes) as is."""
-    data, size = getattr(hashes, "data", None), getattr(hashes, "item_size", None)
-    if isinstance(data, bytes) and isinstance(size, int):
-        return HashRun(data, size)
-    return hashes
-
-
 def step_facts(metadata: ArtifactStepMetadata) -> StepFacts:
     """vLLM's step metadata as the tracker's plain :class:`StepFacts`."""
     return StepFacts(
         weight_version=metadata.weight_version,
         generation=metadata.generation,
         admitted=metadata.requests,
-        block_hashes={rid: packed_hashes(h) for rid, h in metadata.block_hashes.items()},
+        block_hashes=metadata.block_hashes,
         kv_cleared=metadata.kv_cleared,
         kv_evicted=metadata.kv_evicted,
         finished=tuple(metadata.finished_requests),

@@ -116,7 +116,9 @@ def test_keys_handle_names_mooncake_and_another_process_reads_it(
 ) -> None:
     producer, _ = pair
     (arrays,) = producer.generate([prompt("keys")], GREEDY)
-    handle = producer.generate([prompt("keys")], KEYS)[0].outputs[0].routed_experts
+    keys = producer.generate([prompt("keys")], KEYS)[0].outputs[0]
+    assert keys.finish_reason == "length", keys.stop_reason  # a failure names itself
+    handle = keys.routed_experts
     text = handle.to_json()
     assert handle.store.backend == "mooncake", text
     read = read_handle_elsewhere(text, env=client_env())

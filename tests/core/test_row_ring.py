@@ -59,3 +59,31 @@ def test_hash_runs_iterate_and_pickle_as_the_hashes_they_pack() -> None:
     run = HashRun(b"".join(hashes), 32)
     assert list(run) == hashes
     assert list(pickle.loads(pickle.dumps(run))) == hashes
+
+
+def test_a_leased_slot_stays_leased_while_anything_made_from_its_arrays_lives() -> None:
+    engine = RowRing.create(slots=2, slot_bytes=1000)  # rounded up to whole pages
+    process = RowRing(os.dup(engine.fd), engine.slots, engine.slot_bytes)
+    try:
+        assert engine.slot_bytes % 4096 == 0
+        sent = [np.arange(600, dtype=np.uint16)]
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(sent, protocol=5, buffer_callback=buffers.append)
+        spans = process.write_buffers(1, [buffer.raw() for buffer in buffers])
+        assert spans is not None
+        assert not engine.leased(1)
+        (got,) = pickle.loads(data, buffers=engine.lease(1, spans))
+        np.testing.assert_array_equal(got, sent[0])
+        assert engine.leased(1) and not engine.leased(0)
+        derived = memoryview(got[10:20].reshape(2, 5))
+        del got
+        assert engine.leased(1)  # a memoryview of a slice of a reshape keeps it
+        process.write_buffers(1, [memoryview(np.zeros(1200, np.uint8))])
+        assert derived[0, 0] == 0  # read in place: the slot's memory, not a copy
+        del derived
+        assert not engine.leased(1)
+        with pytest.raises(ValueError, match="not in slot 0"):
+            engine.lease(0, spans)
+    finally:
+        process.close()
+        engine.close()

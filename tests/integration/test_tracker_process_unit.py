@@ -24,7 +24,7 @@ from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_facts import StepFacts
 from vllm_artifact.integration.config import ArtifactConfig
 from vllm_artifact.integration.output_side import OutputSetup
-from vllm_artifact.integration.tracker_process import TrackerProcess
+from vllm_artifact.integration.tracker_process import LEASED_SLOTS, TrackerProcess
 
 LAYOUT = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=4)
 MAX_ROWS = 4  # rows a step: a ring slot holds 8 x 4 rows of answers
@@ -111,6 +111,34 @@ def test_a_steps_rows_come_back(process: TrackerProcess, tokens: int) -> None:
     assert isinstance(entry, EmittedRows) and entry.token_start == 0
     np.testing.assert_array_equal(entry.rows, rows)
     process.flush(10.0)
+
+
+def in_the_ring(process: TrackerProcess, rows: np.ndarray) -> bool:
+    """Whether ``rows`` are read in place from a ring slot (numpy collapses a view's base onto
+    the slot's anchor), not a copy."""
+    return any(rows.base is anchor for anchor in process._ring._anchors if anchor is not None)
+
+
+def test_answers_read_in_place_stay_intact_while_held_and_free_their_slot_when_dropped(
+    process: TrackerProcess,
+) -> None:
+    """An answer's arrays are read from its ring slot, which no later step may use while they
+    are held; beyond ``LEASED_SLOTS`` held answers the arrays are copies, so the ring never
+    runs out of slots."""
+    want = [rows_of(30, 10 + i) for i in range(6)]
+    held = [serve(process, f"r{i}", rows, seq=8 * i).entries[f"r{i}"].rows for i, rows in
+            enumerate(want)]  # fmt: skip
+    in_place = [in_the_ring(process, rows) for rows in held]
+    assert in_place == [True] * LEASED_SLOTS + [False] * (6 - LEASED_SLOTS)
+    for got, rows in zip(held, want, strict=True):  # none overwritten by a later step
+        np.testing.assert_array_equal(got, rows)
+    leased = list(process._leased)
+    assert len(leased) == LEASED_SLOTS and all(process._ring.leased(s) for s in leased)
+    del held, got
+    assert not any(process._ring.leased(s) for s in leased)
+    answer = serve(process, "after", want[0], seq=100)  # a freed slot is used again
+    assert in_the_ring(process, answer.entries["after"].rows)
+    np.testing.assert_array_equal(answer.entries["after"].rows, want[0])
 
 
 def test_a_killed_process_fails_what_it_owed_and_a_new_one_serves(

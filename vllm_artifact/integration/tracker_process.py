@@ -9,7 +9,9 @@ work runs").
 
 :class:`TrackerProcess` starts ``tracker_service.py`` with a socket and a :class:`RowRing`,
 sends it each step's facts, started steps and finished steps (rows through the ring), and
-takes back each finished step's :class:`StepResult` in order. If the process goes, every step
+takes back each finished step's :class:`StepResult` in order, its arrays read in place from
+the step's slot, which stays the engine's until they are dropped (at most ``LEASED_SLOTS`` at
+once; beyond that an answer's arrays are copied out). If the process goes, every step
 still expected fails its requests with :class:`TrackerProcessError` and the engine goes on;
 the next step's facts start a new process (at most ``MAX_RESTARTS`` a minute),
 which takes the store over and serves requests admitted from then on.
@@ -51,6 +53,9 @@ logger = logging.getLogger("vllm.artifact.worker")
 RING_SLOTS = 4
 #: A ring slot holds this many times a step's rows (its answer's arrays come back there).
 ANSWER_ROOM = 8
+#: Slots whose answers' arrays the engine may read in place at once (the scheduler copies a
+#: step's rows out within a step or two); the others carry the steps in flight.
+LEASED_SLOTS = RING_SLOTS - 2
 #: How long the process may take to open the store and answer.
 START_TIMEOUT_S = 120.0
 #: How long one step's answer may take before the process is taken for hung.
@@ -99,6 +104,7 @@ class TrackerProcess:
         self._ring = RowRing.create(RING_SLOTS, slot_bytes)
         self._free_slots: list[int] = []
         self._slot_of: dict[int, int] = {}  # seq -> ring slot of a sent step
+        self._leased: list[int] = []  # slots whose answers' arrays may still be read
         self._answers: dict[int, StepResult] = {}
         self._arrays = RecycledArrays()  # the answers' arrays (core/recycled_arrays.py)
         self._unsent: deque[CopiedStep] = deque()  # started steps, oldest first
@@ -133,7 +139,7 @@ class TrackerProcess:
         )
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._free_slots = list(range(RING_SLOTS))
+        self._free_slots = [slot for slot in range(RING_SLOTS) if slot not in self._leased]
         self._slot_of.clear()
         self._conn.send(self._setup)
         if not self._conn.poll(START_TIMEOUT_S):
@@ -289,15 +295,24 @@ class TrackerProcess:
     def _send_step(self, seq: int, rows: np.ndarray, step: dict[str, Any]) -> None:
         """Hand over finished step ``seq`` (``step``: :class:`FinishedStep`'s other fields);
         if the process is gone, the step's answer is a failure (:meth:`result`)."""
-        while not self._free_slots and self._conn is not None:
-            self._take_answer()  # every slot holds a step: wait for the oldest's answer
-        if self._conn is None:
+        slot = self._free_slot()
+        if slot is None:
             return
-        slot = self._free_slots.pop()
         self._ring.write(slot, rows)
         self._slot_of[seq] = slot
         # Not to a new process if this one is found gone: the step's requests were its own.
         self._send_once(("step", FinishedStep(seq=seq, slot=slot, num_rows=len(rows), **step)))
+
+    def _free_slot(self) -> int | None:
+        """A slot no step and no array uses (waiting for the oldest step's answer if every
+        slot is in use); None if the process went meanwhile."""
+        while self._conn is not None:
+            self._free_slots.extend(slot for slot in self._leased if not self._ring.leased(slot))
+            self._leased = [slot for slot in self._leased if slot not in self._free_slots]
+            if self._free_slots:
+                return self._free_slots.pop()
+            self._take_answer()  # at least two slots hold steps: the oldest's answer frees one
+        return None
 
     def result(self, seq: int, request_ids: list[str]) -> StepResult:
         """Step ``seq``'s answer (waiting for it); its requests' failure if it cannot come."""
@@ -335,14 +350,21 @@ class TrackerProcess:
         packed: tuple[bytes, list[tuple[int, int]] | None],
         counters: TrackerCounters,
     ) -> None:
-        """Unpack step ``seq``'s answer, its arrays copied out of its slot, which is free
-        again."""
+        """Unpack step ``seq``'s answer: its arrays read in place from its slot, which stays
+        leased until they are dropped, or (``LEASED_SLOTS`` leased already) copied out of it,
+        which is free again."""
         data, spans = packed
-        buffers = None if spans is None else self._ring.copy_out(spans, self._arrays)
-        self._answers[seq] = pickle.loads(data, buffers=buffers)
         slot = self._slot_of.pop(seq, None)
-        if slot is not None:
-            self._free_slots.append(slot)
+        buffers = None
+        if spans and slot is not None and len(self._leased) < LEASED_SLOTS:
+            buffers = self._ring.lease(slot, spans)
+            self._leased.append(slot)
+        else:
+            if spans is not None:
+                buffers = self._ring.copy_out(spans, self._arrays)
+            if slot is not None:
+                self._free_slots.append(slot)
+        self._answers[seq] = pickle.loads(data, buffers=buffers)
         self.counters = counters
 
     def _receive(self, timeout: float) -> tuple[str, Any, Any, Any]:

@@ -8,8 +8,10 @@ many rounds a resolution needs. They run without a GPU.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ sys.path.insert(0, str(PERF))
 
 import analyze  # noqa: E402  (beside the scripts, as they import each other)
 import driver  # noqa: E402
+import pinning  # noqa: E402
 import pool  # noqa: E402
 import worker  # noqa: E402
 
@@ -117,3 +120,41 @@ def test_step_timer_share_counts_r3_parts_and_the_schedulers_excess_once() -> No
         alone = analyze.step_timer_share(ours, base)
         assert not alone.excess_known and alone.scheduler_excess == 0.0
         assert alone.share == pytest.approx(0.642 / 12.0)
+
+
+def test_cores_split_whole_and_evenly_with_hyperthreads_kept_together() -> None:
+    # 8 logical CPUs on 4 cores, hyperthread siblings n and n + 4 (as Linux numbers them)
+    core = {cpu: (0, cpu % 4) for cpu in range(8)}.__getitem__
+    halves = pinning.split_cores(range(8), 2, core)
+    assert halves == [{0, 1, 4, 5}, {2, 3, 6, 7}]
+    # 5 cores three ways: one core each, the other two unused; too few cores is an error
+    assert pinning.split_cores(range(5), 3, lambda c: (0, c)) == [{0}, {1}, {2}]
+    with pytest.raises(ValueError, match="cannot be split"):
+        pinning.split_cores(range(8), 3, lambda c: (0, c % 2))
+
+
+def test_a_pinned_tree_takes_its_children_and_their_threads_along() -> None:
+    import subprocess
+
+    allowed = sorted(os.sched_getaffinity(0))
+    grandchild = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start()"
+    child = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {grandchild!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", f"{child}; import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(pinning.process_tree([parent.pid])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = pinning.process_tree([parent.pid])
+        assert len(tree) == 2 and tree[0] == parent.pid
+        child = tree[1]
+        while len(os.listdir(f"/proc/{child}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pinning.pin_tree([parent.pid], {allowed[-1]}) >= 3
+        for pid in tree:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                assert os.sched_getaffinity(int(task)) == {allowed[-1]}
+        assert os.sched_getaffinity(0) == set(allowed)  # the caller is not in the tree
+    finally:
+        for pid in reversed(pinning.process_tree([parent.pid])):
+            os.kill(pid, 9)
+        parent.wait()

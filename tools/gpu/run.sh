@@ -93,7 +93,9 @@ for phase in "$@"; do
             python3 tools/gpu/perf/floor.py | tee "$OUT/perf-floor.txt"
             # the card and the CPUs the figures come from (calls land on different machines)
             { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-              grep -m1 "model name" /proc/cpuinfo; nproc; } > "$OUT/perf-machine.txt" 2>&1 || true
+              grep -m1 "model name" /proc/cpuinfo; nproc
+              echo "hyperthread siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | tr "\n" " ")"
+            } > "$OUT/perf-machine.txt" 2>&1 || true
             # PERF_TIMEOUT (s) interrupts the driver, profiled rounds included, so that the tar
             # below still runs within the call's limit (at most 8 files come back untarred).
             timeout -k 20 -s INT "${PERF_TIMEOUT:-0}" \

@@ -12,13 +12,15 @@ every thread) and ``--torch-profile`` a short one under torch.profiler in the en
 (``cprofile_diff.py`` compares two), none counted in the ratios. ``--concurrent`` runs each
 round's configurations at the same time instead of one after another: the machine's speed
 drifts by tens of percent within seconds (the eager prefill steps), and at once it drifts
-for all of them alike. ``--cpus`` pins every engine to a CPU set. A
+for all of them alike. ``--cpus`` pins every engine to a CPU set; ``--split-cpus`` gives each
+configuration whole physical cores of its own, dealt out again each round (``pinning.py``). A
 configuration ``ours+nocap`` is ours with vLLM's per-layer capture unbound after start-up:
 an experiment that prices the capture itself (its R3 is wrong by design).
 
     python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
         [--workloads decode,prefill] [--concurrent] [--profile] [--torch-profile]
-        [--python-profile] [--cpus auto] [--model DIR] [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
+        [--python-profile] [--cpus auto] [--split-cpus] [--model DIR]
+        [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
         [--repeat N|prefill=4,decode=1]
 
 On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
@@ -39,7 +41,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from report import summary  # beside this file (run as a script)
+from pinning import split_cores  # beside this file (run as a script)
+from report import summary
 
 HERE = Path(__file__).resolve().parent
 TAG = "@@perf "
@@ -370,6 +373,12 @@ def main() -> int:
         default="",
         help='pin every engine to these CPUs ("auto": 8 CPUs local to GPU 0; "2-5,8")',
     )
+    parser.add_argument(
+        "--split-cpus",
+        action="store_true",
+        help="each configuration on physical cores of its own (of --cpus, else all allowed), "
+        "rotated each round",
+    )
     args = parser.parse_args()
     begun = time.monotonic()
     unknown = [
@@ -405,6 +414,11 @@ def main() -> int:
     plugins_without_ours = "vllm_artifact_cpu_support" if cpu else "not_loaded"
     cpus = parse_cpus(args.cpus)
     print(f"engines pinned to CPUs {sorted(cpus) if cpus else 'none'}", flush=True)
+    core_sets = (
+        split_cores(cpus or os.sched_getaffinity(0), len(configs)) if args.split_cpus else []
+    )
+    if core_sets:
+        print(f"each configuration on cores of its own: {[sorted(s) for s in core_sets]}")
     engines = {
         c: Engine(
             c,
@@ -431,6 +445,7 @@ def main() -> int:
                     "scale": scale,
                     "repeat": repeats,
                     "cpus": sorted(cpus) if cpus else None,
+                    "split_cpus": [sorted(s) for s in core_sets],
                     "concurrent": args.concurrent,
                     "spy_rate": args.rate,  # py-spy samples a second: analyze.py's seconds
                     "ready": ready,
@@ -456,6 +471,12 @@ def main() -> int:
                 break
             for w, workload in enumerate(workloads):
                 order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
+                for i, config in enumerate(configs if core_sets else ()):  # --split-cpus
+                    cpus_now = sorted(core_sets[(i + rnd) % len(core_sets)])
+                    pinned = engines[config].ask(60, cmd="pin", cpus=cpus_now)
+                    if pinned["event"] != "pinned":
+                        print(f"{config}: {pinned}", flush=True)
+                        return 1
                 command = {
                     "cmd": "run",
                     "workload": workload,

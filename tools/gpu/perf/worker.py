@@ -39,6 +39,7 @@ from engine_hooks import (
     torch_profile,
     unbind_capture,
 )
+from pinning import pin_tree
 from waits import WaitSampler
 
 # collective_rpc ships these functions to the engine core, whose path need not reach here
@@ -238,6 +239,7 @@ class Worker:
         self.engine_args = engine_args
         self.llm: Any = None
         self.engine_pids: list[int] = []
+        self.pinned: list[int] | None = None  # the CPUs this round's processes run on
         self.steps: list[tuple[float, int]] = []
 
     def start(self) -> dict[str, Any]:
@@ -382,6 +384,7 @@ class Worker:
         return {
             "workload": workload,
             "seed": seed,
+            "cpus": self.pinned,
             "repeat": repeat,
             "config": self.config,
             "seconds": seconds,
@@ -500,6 +503,11 @@ def main() -> None:
                         command.get("repeat", 1),
                     ),
                 )
+            elif command["cmd"] == "pin":  # driver.py --split-cpus: this round's cores
+                cpus = set(command["cpus"])
+                threads = pin_tree([os.getpid()], cpus)
+                worker.pinned = sorted(cpus)
+                reply(event="pinned", threads=threads)
             elif command["cmd"] == "torch_profile":
                 reply(
                     event="profiled",

@@ -307,12 +307,17 @@ class TrackerProcess:
         """A slot no step and no array uses (waiting for the oldest step's answer if every
         slot is in use); None if the process went meanwhile."""
         while self._conn is not None:
-            self._free_slots.extend(slot for slot in self._leased if not self._ring.leased(slot))
-            self._leased = [slot for slot in self._leased if slot not in self._free_slots]
+            self._reclaim()
             if self._free_slots:
                 return self._free_slots.pop()
             self._take_answer()  # at least two slots hold steps: the oldest's answer frees one
         return None
+
+    def _reclaim(self) -> None:
+        """Free the leased slots whose arrays nothing refers to any more."""
+        if self._leased:
+            self._free_slots.extend(slot for slot in self._leased if not self._ring.leased(slot))
+            self._leased = [slot for slot in self._leased if slot not in self._free_slots]
 
     def result(self, seq: int, request_ids: list[str]) -> StepResult:
         """Step ``seq``'s answer (waiting for it); its requests' failure if it cannot come."""
@@ -356,6 +361,7 @@ class TrackerProcess:
         data, spans = packed
         slot = self._slot_of.pop(seq, None)
         buffers = None
+        self._reclaim()
         if spans and slot is not None and len(self._leased) < LEASED_SLOTS:
             buffers = self._ring.lease(slot, spans)
             self._leased.append(slot)

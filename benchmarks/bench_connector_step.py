@@ -493,7 +493,13 @@ def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callabl
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
     log = WriteLog(lambda runs, log: runs)
     config = Config("ours", scheduler, worker, capturer, log, lambda: 0.0, workload)
-    return config, worker.close
+
+    def close() -> None:
+        # core/local_decode.py: steps of steady decode only, answered without waiting
+        print(f"  worker    ours: {worker.steps_answered_here} steps answered by the engine itself")
+        worker.close()
+
+    return config, close
 
 
 class PerStepRowsScheduler(ArtifactSchedulerConnector):

@@ -56,6 +56,7 @@ def tracker(llm: Any) -> dict[str, Any]:
             "engine_pid": os.getpid(),
             "reads": connector.reads,
             "tails": connector.tails_published,
+            "answered_here": connector.steps_answered_here,
             "store_in_engine": connector.store is not None,
         }
 
@@ -82,6 +83,8 @@ def test_rows_match_the_oracle_with_chunks_prefix_hits_and_n2(llm: Any, model_a:
     assert after["pid"] == before["pid"]
     assert after["reads"] > before["reads"], "the prefix hit's rows came from the store"
     assert after["tails"] > before["tails"]
+    # Steady-decode steps were answered by the engine itself, and their rows were right.
+    assert after["answered_here"] > before["answered_here"]
 
 
 def test_a_killed_tracker_fails_only_what_it_held_and_a_new_one_serves(

@@ -20,6 +20,7 @@ import pytest
 
 from vllm_artifact.contract import EmittedRows
 from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
+from vllm_artifact.core.local_decode import LocalDecode
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_facts import StepFacts
 from vllm_artifact.integration.config import ArtifactConfig
@@ -185,6 +186,7 @@ def test_steps_go_once_their_copy_landed_in_order_and_an_answer_waits_for_its_ow
     a step's answer waits for its copy and every older one's, never sending one twice."""
     tracker = object.__new__(TrackerProcess)
     tracker._unsent = deque()
+    tracker._local_answers, tracker._late = {}, {}
     sent: list[int] = []
     tracker._send_one = lambda step: sent.append(step.seq)  # type: ignore[method-assign]
     tracker.result = lambda seq, ids: seq  # type: ignore[method-assign,assignment,return-value]
@@ -222,7 +224,7 @@ def test_a_steps_block_hashes_reach_the_process_in_our_own_type() -> None:
     from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
 
     tracker = object.__new__(TrackerProcess)
-    tracker._generation, tracker._live = 0, set()
+    tracker._generation, tracker._live, tracker._local = 0, set(), LocalDecode(LAYOUT)
     sent: list[Any] = []
     tracker._send = lambda message: sent.append(message) or True  # type: ignore[method-assign]
     hashes = [bytes([i]) * 32 for i in range(3)]
@@ -236,3 +238,84 @@ def test_a_steps_block_hashes_reach_the_process_in_our_own_type() -> None:
         "vllm_artifact."
     )
     assert list(sent_facts.block_hashes["a"]) == hashes
+
+
+def decode(process: TrackerProcess, request_id: str, token: int, seq: int, seed: int) -> Any:
+    """One decode step of ``request_id`` (one new row at ``token``); its answer."""
+    process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0))
+    process.step_started([request_id])
+    step = Step(seq, [request_id], rows_of(1, seed), token)
+    process.queue_step(step)
+    return process.step_result(step)
+
+
+def test_steady_decode_steps_are_answered_by_the_engine_while_the_process_is_stopped(
+    process: TrackerProcess,
+) -> None:
+    prompt = rows_of(6, 20)
+    serve(process, "a", prompt, seq=0)  # two prompt steps; the second ends the prompt
+    first = decode(process, "a", 6, seq=2, seed=30)  # waited for: the process says steady
+    assert first.decode_ids == ["a"] and process.answered_here == 0
+    pid = process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # it cannot answer: the engine's own answers come back
+    try:
+        for k in range(3):
+            answer = decode(process, "a", 7 + k, seq=3 + k, seed=31 + k)
+            assert answer.decode_ids == ["a"] and answer.decode_token_starts == [7 + k]
+            np.testing.assert_array_equal(answer.decode_rows, rows_of(1, 31 + k))
+            assert not answer.entries
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert process.answered_here == 3
+    process.flush(10.0)  # the process's answers to those steps came and agreed
+    later = decode(process, "a", 10, seq=6, seed=40)
+    assert process.answered_here == 4 and not later.entries
+    process.flush(10.0)
+    # A step of another shape (two rows) is the process's to answer again.
+    process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0))
+    process.step_started(["a"])
+    two = Step(7, ["a"], rows_of(2, 41), 11)
+    process.queue_step(two)
+    answer = process.step_result(two)
+    assert process.answered_here == 4
+    np.testing.assert_array_equal(answer.entries["a"].rows, rows_of(2, 41))
+    decode(process, "a", 13, seq=8, seed=42)  # waited for: steady again
+    assert process.answered_here == 4
+    decode(process, "a", 14, seq=9, seed=43)
+    assert process.answered_here == 5
+    # Once the scheduler says it ended, a step that ran past its end is the process's again.
+    process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0, finished=("a",)))
+    process.step_started(["a"])
+    past = Step(10, ["a"], rows_of(1, 44), 15)
+    process.queue_step(past)
+    process.step_result(past)
+    assert process.answered_here == 5
+
+
+def test_a_request_whose_engine_answer_the_process_contradicts_fails_at_its_next_step(
+    process: TrackerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(process, "a", rows_of(6, 50), seq=0)
+    decode(process, "a", 6, seq=2, seed=51)
+    original = LocalDecode.answer
+
+    def wrong_row(self: LocalDecode, step: Any) -> Any:
+        answer = original(self, step)
+        if answer is not None:
+            answer.decode_rows = answer.decode_rows + 1  # not what the process will say
+        return answer
+
+    monkeypatch.setattr(LocalDecode, "answer", wrong_row)
+    contradicted = decode(process, "a", 7, seq=3, seed=52)
+    assert process.answered_here == 1
+    process.flush(10.0)  # the process's answer is checked, if it was not at once
+    monkeypatch.setattr(LocalDecode, "answer", original)
+    after = decode(process, "a", 8, seq=4, seed=53)
+    # The failure comes with the first step returned once the answer was checked: the same
+    # step if it came at once, else the next, which then waits for the process's answer.
+    reasons = [getattr(a.entries.get("a"), "reason", None) for a in (contradicted, after)]
+    assert reasons.count("internal") == 1
+    failed = (contradicted, after)[reasons.index("internal")]
+    assert "a" not in failed.decode_ids
+    assert process.answered_here == 1

@@ -11,7 +11,9 @@ work runs").
 sends it each step's facts, started steps and finished steps (rows through the ring), and
 takes back each finished step's :class:`StepResult` in order, its arrays read in place from
 the step's slot, which stays the engine's until they are dropped (at most ``LEASED_SLOTS`` at
-once; beyond that an answer's arrays are copied out). If the process goes, every step
+once; beyond that an answer's arrays are copied out). A step whose every request is in steady
+decode is answered at once by the engine itself (``core/local_decode.py``) and the process's
+answer to it, taken later, checked. If the process goes, every step
 still expected fails its requests with :class:`TrackerProcessError` and the engine goes on;
 the next step's facts start a new process (at most ``MAX_RESTARTS`` a minute),
 which takes the store over and serves requests admitted from then on.
@@ -38,8 +40,10 @@ import numpy as np
 from vllm_artifact.contract import StepResult
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.local_decode import LocalDecode
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.row_ring import RowRing
+from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.step_facts import HashRun, StepFacts
 from vllm_artifact.errors import ArtifactError, TrackerProcessError
 from vllm_artifact.integration.output_side import OutputSetup
@@ -106,6 +110,13 @@ class TrackerProcess:
         self._slot_of: dict[int, int] = {}  # seq -> ring slot of a sent step
         self._leased: list[int] = []  # slots whose answers' arrays may still be read
         self._answers: dict[int, StepResult] = {}
+        # Steady-decode steps the engine answers itself (core/local_decode.py): its answers
+        # not yet returned, and those whose answer from the process is still to be checked.
+        self._local = LocalDecode(setup.layout)
+        self._local_answers: dict[int, StepResult] = {}
+        self._unchecked: dict[int, StepResult] = {}
+        self._late: dict[str, R3Failure] = {}  # failures found since the last step returned
+        self.answered_here = 0  # steps the engine answered itself (tests, benchmarks)
         self._arrays = RecycledArrays()  # the answers' arrays (core/recycled_arrays.py)
         self._unsent: deque[CopiedStep] = deque()  # started steps, oldest first
         self._conn: Connection | None = None
@@ -195,6 +206,8 @@ class TrackerProcess:
             "tracked is lost"
         )
         logger.error("vllm-artifact: %s", self._gone)
+        self._local.clear()  # a new process has none of them in steady decode
+        self._unchecked.clear()
         if self._proc is not None and code is None:
             self._proc.kill()
         self._stop()
@@ -244,7 +257,10 @@ class TrackerProcess:
         facts = dataclasses.replace(facts, block_hashes=hashes)
         if facts.generation != self._generation:
             self._live.clear()  # the tracker forgets every request (prefix-cache reset)
+            self._local.clear()
             self._generation = facts.generation
+        self._local.forget(facts.admitted)
+        self._local.forget(facts.finished)
         self._send(("begin", facts))  # a new process started here fails what the last held
         self._live.update(facts.admitted)
         self._live.difference_update(facts.finished)
@@ -284,13 +300,45 @@ class TrackerProcess:
         columns = step.columns(rows)
         if rows.dtype != self._setup.layout.dtype:  # only top-1 models with exactly 256 experts
             rows = rows.astype(self._setup.layout.dtype)
+        if not self._late:  # a step after a disagreement waits for the process's answer
+            local = self._local.answer(StepBatch(rows=rows, **columns))
+            if local is not None:
+                self._local_answers[step.seq] = local
         self._send_step(step.seq, rows, columns)
+        if step.seq in self._local_answers and step.seq in self._slot_of:
+            self._unchecked[step.seq] = self._local_answers[step.seq]
 
     def step_result(self, step: CopiedStep) -> StepResult:
         """``step``'s answer: sent first if it was not yet (with every older step)."""
         if any(queued is step for queued in self._unsent):
             self.send_copied(until=step)
-        return self.result(step.seq, step.request_ids)
+        answer = self._local_answers.pop(step.seq, None)
+        if answer is None:
+            answer = self.result(step.seq, step.request_ids)
+        else:
+            self.answered_here += 1
+            self._take_ready_answers()  # check the engine's earlier answers, without waiting
+        return self._with_late_failures(answer)
+
+    def _with_late_failures(self, answer: StepResult) -> StepResult:
+        """``answer`` with the failures of requests whose earlier step the engine answered
+        and the process's answer then disagreed (``core/local_decode.py``)."""
+        if not self._late:
+            return answer
+        late, self._late = self._late, {}
+        if answer.decode_ids and any(i in late for i in answer.decode_ids):
+            keep = [k for k, i in enumerate(answer.decode_ids) if i not in late]
+            answer.decode_ids = [answer.decode_ids[k] for k in keep]
+            answer.decode_token_starts = [answer.decode_token_starts[k] for k in keep]
+            if answer.decode_rows is not None:
+                answer.decode_rows = answer.decode_rows[keep]
+        answer.entries.update(late)
+        return answer
+
+    def _take_ready_answers(self) -> None:
+        """Take the answers already there (none is waited for)."""
+        while self._conn is not None and self._slot_of and self._conn.poll(0):
+            self._take_answer()
 
     def _send_step(self, seq: int, rows: np.ndarray, step: dict[str, Any]) -> None:
         """Hand over finished step ``seq`` (``step``: :class:`FinishedStep`'s other fields);
@@ -370,8 +418,28 @@ class TrackerProcess:
                 buffers = self._ring.copy_out(spans, self._arrays)
             if slot is not None:
                 self._free_slots.append(slot)
-        self._answers[seq] = pickle.loads(data, buffers=buffers)
+        answer: StepResult = pickle.loads(data, buffers=buffers)
         self.counters = counters
+        mine = self._unchecked.pop(seq, None)
+        if mine is None:
+            self._answers[seq] = answer
+            self._local.learn(answer)
+            return
+        differ = LocalDecode.disagreements(mine, answer)
+        if differ:
+            logger.error(
+                "vllm-artifact: the R3 tracker process answered %d requests of a decode step "
+                "otherwise than the engine did (%s); they fail",
+                len(differ),
+                ", ".join(differ[:5]),
+            )
+            self._local.forget(differ)
+            failure = R3Failure(
+                "internal",
+                "the R3 tracker process's rows of a decode step of this request differ from "
+                "those the engine returned; its R3 is not trusted",
+            )
+            self._late.update(dict.fromkeys(differ, failure))
 
     def _receive(self, timeout: float) -> tuple[str, Any, Any, Any]:
         conn = self._conn

@@ -292,6 +292,12 @@ class ArtifactWorkerConnector:
         """The tracker process's pid (``--artifact-tracker process``), else None."""
         return None if self._process is None else self._process.pid
 
+    @property
+    def steps_answered_here(self) -> int:
+        """Steady-decode steps answered by the engine without waiting for the tracker process
+        (``core/local_decode.py``); 0 without one."""
+        return 0 if self._process is None else self._process.answered_here
+
     def _counters(self) -> tuple[int, int, int]:
         """The tracker's reads, adoptions and tails published, wherever it runs."""
         if self._process is not None:

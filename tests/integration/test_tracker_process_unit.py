@@ -319,3 +319,19 @@ def test_a_request_whose_engine_answer_the_process_contradicts_fails_at_its_next
     failed = (contradicted, after)[reasons.index("internal")]
     assert "a" not in failed.decode_ids
     assert process.answered_here == 1
+
+
+def test_a_step_the_engine_cannot_answer_goes_to_the_process(
+    process: TrackerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(process, "a", rows_of(6, 60), seq=0)
+    decode(process, "a", 6, seq=2, seed=61)
+
+    def broken(self: LocalDecode, step: Any) -> Any:
+        raise ValueError("injected")
+
+    monkeypatch.setattr(LocalDecode, "answer", broken)
+    answer = decode(process, "a", 7, seq=3, seed=62)
+    assert process.answered_here == 0
+    assert answer.decode_ids == ["a"] and answer.decode_token_starts == [7]
+    np.testing.assert_array_equal(answer.decode_rows, rows_of(1, 62))

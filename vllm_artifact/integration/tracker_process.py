@@ -301,7 +301,12 @@ class TrackerProcess:
         if rows.dtype != self._setup.layout.dtype:  # only top-1 models with exactly 256 experts
             rows = rows.astype(self._setup.layout.dtype)
         if not self._late:  # a step after a disagreement waits for the process's answer
-            local = self._local.answer(StepBatch(rows=rows, **columns))
+            try:
+                local = self._local.answer(StepBatch(rows=rows, **columns))
+            except Exception:  # the process answers it, as any other step
+                logger.exception("vllm-artifact: a decode step could not be answered here")
+                self._local.clear()
+                local = None
             if local is not None:
                 self._local_answers[step.seq] = local
         self._send_step(step.seq, rows, columns)

@@ -293,11 +293,17 @@ def test_steady_decode_steps_are_answered_by_the_engine_while_the_process_is_sto
     assert process.answered_here == 5
 
 
+def in_steady_decode(process: TrackerProcess, seed: int) -> None:
+    """Request "a": a 6-token prompt (steps 0-1), then a decode step (2) the process answers,
+    after which it has the request in steady decode."""
+    serve(process, "a", rows_of(6, seed), seq=0)
+    decode(process, "a", 6, seq=2, seed=seed + 1)
+
+
 def test_a_request_whose_engine_answer_the_process_contradicts_fails_at_its_next_step(
     process: TrackerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    serve(process, "a", rows_of(6, 50), seq=0)
-    decode(process, "a", 6, seq=2, seed=51)
+    in_steady_decode(process, seed=50)
     original = LocalDecode.answer
 
     def wrong_row(self: LocalDecode, step: Any) -> Any:
@@ -324,8 +330,7 @@ def test_a_request_whose_engine_answer_the_process_contradicts_fails_at_its_next
 def test_a_step_the_engine_cannot_answer_goes_to_the_process(
     process: TrackerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    serve(process, "a", rows_of(6, 60), seq=0)
-    decode(process, "a", 6, seq=2, seed=61)
+    in_steady_decode(process, seed=60)
 
     def broken(self: LocalDecode, step: Any) -> Any:
         raise ValueError("injected")

@@ -35,8 +35,12 @@ ten requests arrive and finish in every step. ``--workload prefill-hits`` has th
 H200 harness's prefill workload (``tools/gpu/perf``): 2049-token prompts whose first 1536
 tokens are a prefix hit, 16 output tokens.
 
+``--tracker process`` runs ours with its tracker in the tracker process; ``--gpu-step-ms``
+pauses after each step (outside the timed parts) for the time a GPU step would give the store
+writer and the tracker process.
+
 Run: ``.venv/bin/python benchmarks/bench_connector_step.py [--rounds R] [--steps S]
-[--workload decode|prefill|prefill-hits]``
+[--workload decode|prefill|prefill-hits] [--tracker engine|process] [--gpu-step-ms MS]``
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ TARGET_SCHEDULER_MS = 0.3
 PER_STEP = "ours, per step"
 #: ``--tracker process``: ours runs its tracker in the tracker process.
 TRACKER_PROCESS = False  # the configuration of ours that holds no rows
+#: ``--gpu-step-ms``: a pause after each step, outside the timed parts.
+STEP_GAP_S = 0.0
 TARGET_WORKER_MS = 0.5
 
 
@@ -417,6 +423,8 @@ class Config:
             self.worker_wall_ms.append((t2 - t1) * 1e3)
             self.hit_steps.append(hit)
             self.timed_steps += 1
+        if STEP_GAP_S:  # --gpu-step-ms: the time a GPU step gives other threads and processes
+            time.sleep(STEP_GAP_S)
 
     def run(self, steps: int) -> None:
         """``steps`` steps, adding the store writer thread's CPU time while timed steps ran."""
@@ -679,9 +687,17 @@ def main() -> None:
         help="ours publishes every batch on its background thread (as for a network store), "
         "its large ones too, which the engine writes inline with its /dev/shm store",
     )
+    parser.add_argument(
+        "--gpu-step-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long after each step, outside the timed parts, as a GPU step would "
+        "leave the store writer and the tracker process time to catch up",
+    )
     args = parser.parse_args()
-    global TRACKER_PROCESS
+    global TRACKER_PROCESS, STEP_GAP_S
     TRACKER_PROCESS = args.tracker == "process"
+    STEP_GAP_S = args.gpu_step_ms / 1e3
     root = f"/dev/shm/vllm-artifact-bench-{os.getpid()}"
     os.mkdir(root, 0o700)
     closers: list[Callable[[], None]] = []

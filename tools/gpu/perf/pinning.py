@@ -3,10 +3,10 @@
 Two engines sharing a GPU in concurrent rounds also share the host's cores: the kernel's
 scheduler moves their threads among the same cores and, where the machine has hyperthreads, may
 put one engine's launching thread beside the other's, and an engine whose eager steps are bound
-by that thread slows for as long as that lasts (whole rounds, which then scatter). Pinning each configuration's processes (its worker, engine core and any
-process the engine core starts) to whole physical cores of their own takes that away; dealing
-the core sets out again each round, in rotation, makes any difference between the sets hit
-every configuration alike.
+by that thread slows for as long as that lasts (whole rounds, which then scatter). Pinning each
+configuration's processes (its worker, engine core and any process the engine core starts) to
+whole physical cores of their own takes that away; dealing the core sets out again each round,
+in rotation, makes any difference between the sets hit every configuration alike.
 """
 
 from __future__ import annotations

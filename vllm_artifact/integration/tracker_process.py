@@ -300,18 +300,24 @@ class TrackerProcess:
         columns = step.columns(rows)
         if rows.dtype != self._setup.layout.dtype:  # only top-1 models with exactly 256 experts
             rows = rows.astype(self._setup.layout.dtype)
-        if not self._late:  # a step after a disagreement waits for the process's answer
-            try:
-                local = self._local.answer(StepBatch(rows=rows, **columns))
-            except Exception:  # the process answers it, as any other step
-                logger.exception("vllm-artifact: a decode step could not be answered here")
-                self._local.clear()
-                local = None
-            if local is not None:
-                self._local_answers[step.seq] = local
+        local = self._answer_here(StepBatch(rows=rows, **columns))
         self._send_step(step.seq, rows, columns)
-        if step.seq in self._local_answers and step.seq in self._slot_of:
-            self._unchecked[step.seq] = self._local_answers[step.seq]
+        if local is not None:
+            self._local_answers[step.seq] = local
+            if step.seq in self._slot_of:  # sent: the process's answer to it will be checked
+                self._unchecked[step.seq] = local
+
+    def _answer_here(self, step: StepBatch) -> StepResult | None:
+        """The engine's own answer to a step of steady-decode requests only, else None (the
+        process answers it, as it does a step after a disagreement)."""
+        if self._late:
+            return None
+        try:
+            return self._local.answer(step)
+        except Exception:
+            logger.exception("vllm-artifact: a decode step could not be answered here")
+            self._local.clear()
+            return None
 
     def step_result(self, step: CopiedStep) -> StepResult:
         """``step``'s answer: sent first if it was not yet (with every older step)."""

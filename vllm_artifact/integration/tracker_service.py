@@ -25,6 +25,7 @@ from vllm_artifact.core.row_ring import RowRing
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch
 from vllm_artifact.core.step_facts import StepFacts, apply_step_facts
+from vllm_artifact.core.tracker import RequestTracker
 from vllm_artifact.integration.engine_store import record_weight_version
 from vllm_artifact.integration.output_side import OutputSetup, OutputSide, open_output_side
 
@@ -54,6 +55,13 @@ class TrackerCounters(NamedTuple):
     reads: int
     adopted: int
     tails_published: int
+
+    @classmethod
+    def of(cls, tracker: RequestTracker | None) -> TrackerCounters:
+        """``tracker``'s counters (zeros without one), wherever it runs."""
+        if tracker is None:
+            return cls(0, 0, 0)
+        return cls(tracker.reads, tracker.adopted, tracker.tails_published)
 
 
 class _Service:
@@ -96,8 +104,7 @@ class _Service:
             return StepResult.unprocessed(step.request_ids, error)
 
     def counters(self) -> TrackerCounters:
-        tracker = self.side.tracker
-        return TrackerCounters(tracker.reads, tracker.adopted, tracker.tails_published)
+        return TrackerCounters.of(self.side.tracker)
 
 
 def pack_answer(

@@ -52,6 +52,7 @@ from vllm_artifact.integration.engine_store import (
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
 from vllm_artifact.integration.output_side import OutputSetup, open_output_side
 from vllm_artifact.integration.tracker_process import TrackerProcess
+from vllm_artifact.integration.tracker_service import TrackerCounters
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
 if TYPE_CHECKING:
@@ -302,9 +303,7 @@ class ArtifactWorkerConnector:
         """The tracker's reads, adoptions and tails published, wherever it runs."""
         if self._process is not None:
             return self._process.counters
-        if self._tracker is None:
-            return (0, 0, 0)
-        return (self._tracker.reads, self._tracker.adopted, self._tracker.tails_published)
+        return TrackerCounters.of(self._tracker)
 
     @property
     def reads(self) -> int:

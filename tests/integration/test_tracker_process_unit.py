@@ -33,7 +33,8 @@ MAX_ROWS = 4  # rows a step: a ring slot holds 8 x 4 rows of answers
 
 @dataclass
 class Step:
-    """A finished step of one request, its rows already in host memory."""
+    """A finished step, its rows already in host memory: each request's equal share of
+    ``rows``, from ``token_start`` on."""
 
     seq: int
     request_ids: list[str]
@@ -46,14 +47,16 @@ class Step:
         return True
 
     def columns(self, rows: np.ndarray) -> dict[str, Any]:
-        n = len(rows)
+        n = len(self.request_ids)
+        each = len(rows) // n
+        starts = np.arange(n) * each
         return dict(
             request_ids=self.request_ids,
-            token_starts=np.array([self.token_start]),
-            num_scheduled=np.array([n]),
-            row_starts=np.array([0]),
-            row_ends=np.array([n]),
-            sampled=np.array([self.sampled]),
+            token_starts=np.full(n, self.token_start),
+            num_scheduled=np.full(n, each),
+            row_starts=starts,
+            row_ends=starts + each,
+            sampled=np.full(n, self.sampled),
         )
 
 
@@ -340,3 +343,44 @@ def test_a_step_the_engine_cannot_answer_goes_to_the_process(
     assert process.answered_here == 0
     assert answer.decode_ids == ["a"] and answer.decode_token_starts == [7]
     np.testing.assert_array_equal(answer.decode_rows, rows_of(1, 62))
+
+
+def test_after_a_contradiction_the_next_step_waits_for_the_process_even_if_steady(
+    process: TrackerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(process, "a", rows_of(6, 70), seq=0)
+    serve(process, "b", rows_of(6, 71), seq=2)
+
+    def joint(ids: list[str], token: int, seq: int, seed: int) -> Any:
+        process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0))
+        process.step_started(ids)
+        step = Step(seq, ids, rows_of(len(ids), seed), token)
+        process.queue_step(step)
+        return process.step_result(step)
+
+    joint(["a", "b"], 6, seq=4, seed=72)  # waited for: both in steady decode from then on
+    original = LocalDecode.answer
+
+    def wrong_first_row(self: LocalDecode, step: Any) -> Any:
+        answer = original(self, step)
+        if answer is not None:
+            answer.decode_rows = answer.decode_rows.copy()
+            answer.decode_rows[0] += 1  # a's row: not what the process will say
+        return answer
+
+    monkeypatch.setattr(LocalDecode, "answer", wrong_first_row)
+    pid = process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # its answer cannot be checked before the step returns
+    try:
+        joint(["a", "b"], 7, seq=5, seed=73)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert process.answered_here == 1
+    process.flush(10.0)  # the answer is checked: a's row differs
+    monkeypatch.setattr(LocalDecode, "answer", original)
+    after = joint(["b"], 8, seq=6, seed=74)  # b is still steady, yet the process answers
+    assert process.answered_here == 1
+    assert getattr(after.entries.get("a"), "reason", None) == "internal"
+    assert after.decode_ids == ["b"]
+    np.testing.assert_array_equal(after.decode_rows, rows_of(1, 74))

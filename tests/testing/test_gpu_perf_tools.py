@@ -122,6 +122,37 @@ def test_step_timer_share_counts_r3_parts_and_the_schedulers_excess_once() -> No
         assert alone.share == pytest.approx(0.642 / 12.0)
 
 
+class _Connector:
+    def __init__(self, tracker_pid: int | None, answered: int = 0) -> None:
+        self.tracker_pid, self.steps_answered_here, self.store = tracker_pid, answered, None
+
+
+class _Engine:
+    """``collective_rpc`` over workers of these connectors (rank zero first)."""
+
+    def __init__(self, *connectors: _Connector | None) -> None:
+        self.workers = [
+            type("W", (), {"model_runner": type("R", (), {"aux_output_connector": c})})
+            for c in connectors
+        ]
+
+    def collective_rpc(self, fn: object) -> list[object]:
+        return [fn(w) for w in self.workers]  # type: ignore[operator]
+
+
+def test_a_tracker_process_rounds_count_the_steps_the_engine_answered_itself() -> None:
+    # rank zero holds the tracker process; rank one's connector has neither it nor a store
+    engine = _Engine(_Connector(tracker_pid=123, answered=251), _Connector(tracker_pid=None))
+    assert worker.store_counts(engine) == {"steps_answered_here": 251}
+    assert worker.store_counts(_Engine(None, _Connector(tracker_pid=None))) == {}
+    rounds = [
+        {"store": {"steps_answered_here": n}, "steps": [[0.1, 1]] * 267} for n in (240, 251, 250)
+    ]
+    assert analyze.answered_here(rounds) == (
+        "steps answered by the engine itself (median over 3 rounds): 250 of 267 a round"
+    )
+
+
 def test_cores_split_whole_and_evenly_with_hyperthreads_kept_together() -> None:
     # 8 logical CPUs on 4 cores, hyperthread siblings n and n + 4 (as Linux numbers them)
     core = {cpu: (0, cpu % 4) for cpu in range(8)}.__getitem__

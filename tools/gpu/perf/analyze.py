@@ -81,6 +81,17 @@ def thread_key(name: str) -> str:
     return re.sub(r":\d+$", "", name)
 
 
+def answered_here(rounds: list[dict[str, Any]]) -> str:
+    """How many of a round's engine steps the engine answered itself, not waiting for the
+    tracker process (steady-decode steps; medians over ``rounds``)."""
+    answered = statistics.median(r["store"]["steps_answered_here"] for r in rounds)
+    steps = statistics.median(len(r["steps"]) for r in rounds)
+    return (
+        f"steps answered by the engine itself (median over {len(rounds)} rounds): "
+        f"{answered:.0f} of {steps:.0f} a round"
+    )
+
+
 def publish_rate(rounds: list[dict[str, Any]]) -> str:
     """The store's publish rate against the tokens the engine computed, per round (medians
     over ``rounds``, one configuration's with store counts). A round's store counts are
@@ -371,7 +382,9 @@ def main() -> None:
                     print(f"    {key[:44]:<44} {cells}")
         for config in configs:
             rounds = [r for r in this if r["config"] == config and r.get("store")]
-            if rounds:
+            if rounds and "steps_answered_here" in rounds[0]["store"]:  # the tracker process
+                print(f"  {config} {answered_here(rounds)}")
+            elif rounds:
                 run = next(r for r in this if r["config"] == config)
                 print(
                     f"  {config} store per round: {rounds[0]['store']} for {run['out_tokens']} "

@@ -199,11 +199,16 @@ def counters(llm: Any) -> dict[str, float]:
 
 
 def store_counts(llm: Any) -> dict[str, int]:
-    """Objects and bytes in our store after the publisher drained (``ours`` only)."""
+    """Objects and bytes in our store after the publisher drained (``ours`` only); with the
+    tracker process (whose store is its own), the decode steps the engine answered itself."""
 
-    def stats(worker: Any) -> dict[str, int]:
+    def stats(worker: Any) -> dict[str, int]:  # nested: collective_rpc ships it by value
         connector = worker.model_runner.aux_output_connector
-        if connector is None or getattr(connector, "store", None) is None:
+        if connector is None:
+            return {}
+        if getattr(connector, "tracker_pid", None) is not None:
+            return {"steps_answered_here": connector.steps_answered_here}
+        if getattr(connector, "store", None) is None:
             return {}
         connector.flush_publications()
         store = connector.store.stats()

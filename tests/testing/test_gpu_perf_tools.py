@@ -122,6 +122,20 @@ def test_step_timer_share_counts_r3_parts_and_the_schedulers_excess_once() -> No
         assert alone.share == pytest.approx(0.642 / 12.0)
 
 
+def test_the_engine_main_threads_cpu_and_busy_share_are_read_per_round() -> None:
+    def run(seconds: float, main: float) -> dict[str, object]:
+        threads = {"MainThread:11": main, "MainThread-2:12": 9.0, "Thread-1 (x):13": 0.4}
+        return {
+            "seconds": seconds,
+            "threads_cpu_s": {"frontend": {"MainThread:1": 2.0}, "engine1": threads},
+        }
+
+    assert pool.main_thread_cpu(run(10.0, 9.3)) == pytest.approx(9.3)
+    assert math.isnan(pool.main_thread_cpu({"seconds": 1.0}))  # not recorded
+    rounds = [run(10.0, 9.3), run(8.0, 7.6), run(12.0, 10.8), {"seconds": 9.0}]
+    assert pool.main_thread_busy(rounds) == pytest.approx(0.93)  # of 0.93, 0.95, 0.90
+
+
 class _Connector:
     def __init__(self, tracker_pid: int | None, answered: int = 0) -> None:
         self.tracker_pid, self.steps_answered_here, self.store = tracker_pid, answered, None

@@ -20,6 +20,12 @@ And per pair, for the whole round: the standard deviation of a round's log ratio
 rounds a 95% interval of +-1% and +-0.5% needs at that scatter, and with several runs each
 run's geometric mean apart (runs have disagreed by more than their intervals: pooling hides
 that, this shows it; a run's ``--repeat`` is named, as rounds of other lengths scatter apart).
+
+Where the runs recorded threads' CPU, also the engine main thread's: the ratio of its CPU
+seconds a round ("main CPU", above 1: the first configuration's thread did less), and how busy
+it was (its CPU over the round's time). A thread busy nearly the whole round bounds the
+round, and if its CPU ratio then scatters as widely as the round's, the rounds' scatter is that
+CPU's speed, not R3's work.
 """
 
 from __future__ import annotations
@@ -70,11 +76,25 @@ def scatter(ratios: Iterable[float]) -> str:
     )
 
 
+def main_thread_cpu(run: dict[str, Any]) -> float:
+    """CPU seconds of the engine core's main thread in the round (nan if not recorded)."""
+    threads = run.get("threads_cpu_s", {}).get("engine1", {})
+    seconds = sum(v for name, v in threads.items() if name.split(":")[0] == "MainThread")
+    return seconds or float("nan")
+
+
+def main_thread_busy(runs: Iterable[dict[str, Any]]) -> float:
+    """The median share of a round the engine core's main thread spent on a CPU."""
+    shares = [main_thread_cpu(run) / run["seconds"] for run in runs]
+    return statistics.median(share for share in shares if share == share)
+
+
 #: name -> seconds-like measure of one run (smaller is faster)
 PARTS: dict[str, Callable[[dict[str, Any]], float]] = {
     "round": lambda run: 1 / run["out_tok_s"],
     "short step": short_step,
     "long step": long_step,
+    "main CPU": main_thread_cpu,
 }
 
 
@@ -95,6 +115,7 @@ def main() -> None:
     for workload, by_round in sorted(rounds.items()):
         for top, bottom in PAIRS:
             round_ratios: dict[tuple[int, int], float] = {}  # (run, seed) -> whole round's
+            cpu_ratios: list[float] = []  # the main thread's CPU, where recorded
             for part, measure in PARTS.items():
                 keyed = {
                     key: measure(runs[bottom]) / measure(runs[top])
@@ -105,6 +126,8 @@ def main() -> None:
                     round_ratios = keyed
                 # a run without long steps has none
                 ratios = sorted(r for r in keyed.values() if r == r)
+                if part == "main CPU":
+                    cpu_ratios = ratios
                 if len(ratios) < 2:
                     continue
                 mean, low, high = geomean_ci(ratios)
@@ -116,6 +139,18 @@ def main() -> None:
                 )
             if len(round_ratios) > 2:
                 print(f"{workload:8s} {top}/{bottom} scatter   : {scatter(round_ratios.values())}")
+            if len(cpu_ratios) > 2:
+                busy = {
+                    config: main_thread_busy(
+                        runs[config] for runs in by_round.values() if config in runs
+                    )
+                    for config in (top, bottom)
+                }
+                print(
+                    f"{workload:8s} {top}/{bottom} main busy : the engine main thread's CPU "
+                    f"over the round, medians: {top} {busy[top]:.3f}, {bottom} "
+                    f"{busy[bottom]:.3f}; its CPU ratio's {scatter(cpu_ratios)}"
+                )
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
                 mine = [r for (run_index, _), r in round_ratios.items() if run_index == index]
                 if len(mine) > 1:

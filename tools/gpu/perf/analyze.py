@@ -82,8 +82,9 @@ def thread_key(name: str) -> str:
 
 
 def answered_here(rounds: list[dict[str, Any]]) -> str:
-    """How many of a round's engine steps the engine answered itself, not waiting for the
-    tracker process (steady-decode steps; medians over ``rounds``)."""
+    """How many steps the engine answered itself, not waiting for the tracker process
+    (steady-decode steps), against the steps of the round's frontend trace (medians over
+    ``rounds``)."""
     answered = statistics.median(r["store"]["steps_answered_here"] for r in rounds)
     steps = statistics.median(len(r["steps"]) for r in rounds)
     return (

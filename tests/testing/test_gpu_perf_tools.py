@@ -134,6 +134,12 @@ def test_the_engine_main_threads_cpu_and_busy_share_are_read_per_round() -> None
     assert math.isnan(pool.main_thread_cpu({"seconds": 1.0}))  # not recorded
     rounds = [run(10.0, 9.3), run(8.0, 7.6), run(12.0, 10.8), {"seconds": 9.0}]
     assert pool.main_thread_busy(rounds) == pytest.approx(0.93)  # of 0.93, 0.95, 0.90
+    # vLLM's schedule without the R3 connector part timed inside it: a CPU-speed reference
+    schedule = {"scheduler.schedule": [54, 0.300], "scheduler.update_from_output": [54, 0.2]}
+    assert pool.schedule_cpu({"step_timers": schedule}) == pytest.approx(0.300)
+    ours = {**schedule, "scheduler_connector.build_connector_meta": [54, 0.010]}
+    assert pool.schedule_cpu({"step_timers": ours}) == pytest.approx(0.290)
+    assert math.isnan(pool.schedule_cpu({"seconds": 1.0}))
 
 
 class _Connector:

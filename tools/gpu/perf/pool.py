@@ -25,7 +25,11 @@ Where the runs recorded threads' CPU, also the engine main thread's: the ratio o
 seconds a round ("main CPU", above 1: the first configuration's thread did less), and how busy
 it was (its CPU over the round's time). A thread busy nearly the whole round bounds the
 round, and if its CPU ratio then scatters as widely as the round's, the rounds' scatter is that
-CPU's speed, not R3's work.
+CPU's speed, not R3's work. With step timers, the correlation over rounds of the round's log
+ratio with that of the CPU seconds of vLLM's ``schedule`` (less the R3 connector part timed
+inside it): how far the round's ratio follows the two engines' CPU speeds in that round
+(``schedule`` does about the same work in both; some of ours runs inside it untimed, so it
+cannot correct the ratio by itself).
 """
 
 from __future__ import annotations
@@ -81,6 +85,16 @@ def main_thread_cpu(run: dict[str, Any]) -> float:
     threads = run.get("threads_cpu_s", {}).get("engine1", {})
     seconds = sum(v for name, v in threads.items() if name.split(":")[0] == "MainThread")
     return seconds or float("nan")
+
+
+def schedule_cpu(run: dict[str, Any]) -> float:
+    """CPU seconds of vLLM's ``schedule`` less the R3 connector's timed part inside it (nan
+    without step timers)."""
+    timers = run.get("step_timers") or {}
+    if "scheduler.schedule" not in timers:
+        return float("nan")
+    inside = timers.get("scheduler_connector.build_connector_meta", [0, 0.0])[1]
+    return float(timers["scheduler.schedule"][1] - inside)
 
 
 def main_thread_busy(runs: Iterable[dict[str, Any]]) -> float:
@@ -139,6 +153,19 @@ def main() -> None:
                 )
             if len(round_ratios) > 2:
                 print(f"{workload:8s} {top}/{bottom} scatter   : {scatter(round_ratios.values())}")
+            speeds = [
+                (math.log(round_ratios[key]), math.log(schedule_cpu(runs[bottom]) / s))
+                for key, runs in by_round.items()
+                if key in round_ratios and (s := schedule_cpu(runs[top])) == s
+            ]
+            if len(speeds) > 2:
+                rounds_ratio = [ratio for ratio, _ in speeds]
+                schedule_ratio = [ratio for _, ratio in speeds]
+                print(
+                    f"{workload:8s} {top}/{bottom} cpu speed : correlation of the round's log "
+                    f"ratio with that of vLLM's schedule CPU seconds (the same way round) "
+                    f"{correlation(rounds_ratio, schedule_ratio):+.2f}, n={len(speeds)}"
+                )
             if len(cpu_ratios) > 2:
                 busy = {
                     config: main_thread_busy(

@@ -43,8 +43,7 @@ class LocalDecode:
     def learn(self, answer: StepResult) -> None:
         """An answer the engine waited for: its decode columns are in steady decode, every
         other request it names is not."""
-        for request_id in answer.entries:
-            self._next.pop(request_id, None)
+        self.forget(answer.entries)
         for request_id, token in zip(answer.decode_ids, answer.decode_token_starts, strict=True):
             self._next[request_id] = token + 1
 

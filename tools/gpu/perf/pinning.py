@@ -5,8 +5,10 @@ scheduler moves their threads among the same cores and, where the machine has hy
 put one engine's launching thread beside the other's, and an engine whose eager steps are bound
 by that thread slows for as long as that lasts (whole rounds, which then scatter). Pinning each
 configuration's processes (its worker, engine core and any process the engine core starts) to
-whole physical cores of their own takes that away; dealing the core sets out again each round,
-in rotation, makes any difference between the sets hit every configuration alike.
+whole physical cores of their own keeps them apart; dealing the core sets out again each round,
+in rotation, makes any difference between the sets hit every configuration alike. On an H100
+machine without hyperthreads it did not narrow the prefill rounds' scatter
+(``docs/benchmarks.md``): there each CPU's own speed varies from round to round.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ sys.path.insert(0, str(PERF))
 
 import analyze  # noqa: E402  (beside the scripts, as they import each other)
 import driver  # noqa: E402
+import hw_counters  # noqa: E402
 import pinning  # noqa: E402
 import pool  # noqa: E402
 import worker  # noqa: E402
@@ -140,6 +141,51 @@ def test_the_engine_main_threads_cpu_and_busy_share_are_read_per_round() -> None
     ours = {**schedule, "scheduler_connector.build_connector_meta": [54, 0.010]}
     assert pool.schedule_cpu({"step_timers": ours}) == pytest.approx(0.290)
     assert math.isnan(pool.schedule_cpu({"seconds": 1.0}))
+
+
+def test_main_thread_instructions_pair_by_round_and_unavailable_counters_are_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def run(config: str, seed: int, instructions: int, cycles: int) -> dict[str, object]:
+        counted = {"instructions": instructions, "cycles": cycles}
+        return {
+            "workload": "prefill",
+            "config": config,
+            "seed": seed,
+            "out_tok_s": 100.0,
+            "steps": [[0.1, 1], [0.2, 1]],
+            "main_thread_counters": counted if instructions else {"unavailable": "ENOENT"},
+        }
+
+    rounds = [
+        run("off", 0, 1000, 500),
+        run("ours", 0, 1010, 600),
+        run("off", 1, 2000, 1000),
+        run("ours", 1, 2040, 1122),
+        run("off", 2, 0, 0),  # a machine without counters: no ratio from this round
+        run("ours", 2, 0, 0),
+    ]
+    results = tmp_path / "results.json"
+    results.write_text(__import__("json").dumps({"results": rounds}))
+    monkeypatch.setattr(sys, "argv", ["pool.py", str(results)])
+    pool.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "main " in line]
+    instr = next(line for line in lines if "main instr" in line)
+    # off/ours: 1000/1010 and 2000/2040, seeds 0 and 1 only
+    assert "median 0.9852" in instr and "n=2" in instr
+    cpi = next(line for line in lines if "main CPI" in line)
+    assert "ours 0.572 (0.550-0.594)" in cpi and "off 0.500 (0.500-0.500)" in cpi
+    assert math.isnan(pool.main_thread_counter({"main_thread_counters": {}}, "cycles"))
+
+
+def test_a_counter_is_asked_for_in_user_space_only() -> None:
+    """``perf_event_attr`` as the kernel reads it: hardware type, its size, the event, and
+    the exclude_kernel and exclude_hv flag bits (a VM's counters often refuse the kernel)."""
+    attr = hw_counters._attr(hw_counters.EVENTS["instructions"])
+    assert len(attr) == 64
+    kind, size, config, _, _, _, flags = __import__("struct").unpack_from("IIQQQQQ", attr)
+    assert (kind, size, config) == (0, 64, 1)
+    assert flags == 0b110_0000  # bits 5 and 6 alone: counting starts enabled
 
 
 class _Connector:

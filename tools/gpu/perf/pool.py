@@ -29,7 +29,10 @@ CPU's speed, not R3's work. With step timers, the correlation over rounds of the
 ratio with that of the CPU seconds of vLLM's ``schedule`` (less the R3 connector part timed
 inside it): how far the round's ratio follows the two engines' CPU speeds in that round
 (``schedule`` does about the same work in both; some of ours runs inside it untimed, so it
-cannot correct the ratio by itself).
+cannot correct the ratio by itself). Where the machine let the runs count the main thread's
+instructions (``hw_counters.py``), their ratio a round ("main instr", above 1: the first
+configuration's thread retired fewer), which does not depend on the CPU's speed: how much work
+R3 adds to the thread that bounds the round; and its cycles per instruction ("main CPI").
 """
 
 from __future__ import annotations
@@ -87,6 +90,13 @@ def main_thread_cpu(run: dict[str, Any]) -> float:
     return seconds or float("nan")
 
 
+def main_thread_counter(run: dict[str, Any], event: str) -> float:
+    """``event`` (instructions, cycles) counted on the engine core's main thread in the round
+    (nan where the machine had no counters)."""
+    count = (run.get("main_thread_counters") or {}).get(event)
+    return float(count) if isinstance(count, int) and count > 0 else float("nan")
+
+
 def schedule_cpu(run: dict[str, Any]) -> float:
     """CPU seconds of vLLM's ``schedule`` less the R3 connector's timed part inside it (nan
     without step timers)."""
@@ -109,6 +119,7 @@ PARTS: dict[str, Callable[[dict[str, Any]], float]] = {
     "short step": short_step,
     "long step": long_step,
     "main CPU": main_thread_cpu,
+    "main instr": lambda run: main_thread_counter(run, "instructions"),
 }
 
 
@@ -177,6 +188,25 @@ def main() -> None:
                     f"{workload:8s} {top}/{bottom} main busy : the engine main thread's CPU "
                     f"over the round, medians: {top} {busy[top]:.3f}, {bottom} "
                     f"{busy[bottom]:.3f}; its CPU ratio's {scatter(cpu_ratios)}"
+                )
+            cpi = {
+                config: [
+                    main_thread_counter(runs[config], "cycles")
+                    / main_thread_counter(runs[config], "instructions")
+                    for runs in by_round.values()
+                    if config in runs
+                ]
+                for config in (top, bottom)
+            }
+            if all(any(c == c for c in values) for values in cpi.values()):
+                print(
+                    f"{workload:8s} {top}/{bottom} main CPI  : the engine main thread's cycles "
+                    "per instruction, median (min-max): "
+                    + ", ".join(
+                        f"{config} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+                        for config, values in cpi.items()
+                        if (v := [c for c in values if c == c])
+                    )
                 )
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
                 mine = [r for (run_index, _), r in round_ratios.items() if run_index == index]

@@ -39,6 +39,7 @@ from engine_hooks import (
     torch_profile,
     unbind_capture,
 )
+from hw_counters import open_counters
 from pinning import pin_tree
 from waits import WaitSampler
 
@@ -348,12 +349,19 @@ class Worker:
         cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
         proc0 = {pid: process_counters(pid) for pid in pids}
         waits0 = {pid: thread_waits(pid, names) for pid in pids}
+        # instructions and cycles of the engine core's main thread (hw_counters.py says why)
+        main_counters, no_counters = (
+            open_counters(self.engine_pids[0]) if self.engine_pids else (None, "no engine")
+        )
         self.steps = []
         with sampler or contextlib.nullcontext():
             started = time.perf_counter()
             outputs = self.generate(prompts, max_tokens)
             seconds = time.perf_counter() - started
         cpu1 = {pid: thread_cpu(pid, names) for pid in pids}
+        main_thread_counters = main_counters.read() if main_counters else {}
+        if main_counters:
+            main_counters.close()
         proc1 = {pid: process_counters(pid) for pid in pids}
         waits1 = {pid: thread_waits(pid, names) for pid in pids}
         gc1 = {"frontend": gc_totals(), "engine": self.engine_gc()}
@@ -406,6 +414,7 @@ class Worker:
             "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,
+            "main_thread_counters": main_thread_counters or {"unavailable": no_counters},
             **{
                 field: {
                     "frontend" if pid == os.getpid() else f"engine{i}": {

@@ -178,6 +178,18 @@ def test_main_thread_instructions_pair_by_round_and_unavailable_counters_are_ski
     assert math.isnan(pool.main_thread_counter({"main_thread_counters": {}}, "cycles"))
 
 
+def test_prefill_graphs_double_from_the_decode_sizes_up_to_the_batch_limit() -> None:
+    args = driver.with_prefill_graphs(driver.GPU_ENGINE_ARGS)
+    sizes = args["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert args["compilation_config"]["cudagraph_mode"] == "FULL"
+    odd = {**driver.GPU_ENGINE_ARGS, "max_num_batched_tokens": 3000}
+    assert driver.with_prefill_graphs(odd)["compilation_config"]["cudagraph_capture_sizes"][
+        -3:
+    ] == [1024, 2048, 3000]
+    assert driver.GPU_ENGINE_ARGS["compilation_config"]["cudagraph_capture_sizes"][-1] == 256
+
+
 def test_a_counter_is_asked_for_in_user_space_only() -> None:
     """``perf_event_attr`` as the kernel reads it: hardware type, its size, the event, and
     the exclude_kernel and exclude_hv flag bits (a VM's counters often refuse the kernel)."""

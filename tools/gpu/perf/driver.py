@@ -21,7 +21,7 @@ an experiment that prices the capture itself (its R3 is wrong by design).
         [--workloads decode,prefill] [--concurrent] [--profile] [--torch-profile]
         [--python-profile] [--cpus auto] [--split-cpus] [--model DIR]
         [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
-        [--repeat N|prefill=4,decode=1]
+        [--repeat N|prefill=4,decode=1] [--prefill-graphs]
 
 On the H200 (``tools/gpu/run.sh perf``) the model is a random-weight Qwen3-MoE with
 DeepSeek-V3's R3 shape (58 MoE layers, 256 experts, top-8, hidden 256), bf16, full CUDA
@@ -68,6 +68,20 @@ GPU_ENGINE_ARGS: dict[str, Any] = {
     "moe_backend": "triton",
     "disable_log_stats": False,
 }
+
+
+def with_prefill_graphs(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """``engine_args`` with full CUDA graphs also for batches above the decode sizes, up to
+    ``max_num_batched_tokens`` (doubling): a prefill step then replays a graph instead of
+    launching every kernel from the engine's main thread, as compiled (piecewise) graphs
+    spare a production install, which this harness's torch cannot compile for."""
+    compilation = dict(engine_args["compilation_config"])
+    sizes = sorted(compilation["cudagraph_capture_sizes"])
+    largest = int(engine_args["max_num_batched_tokens"])
+    while sizes[-1] * 2 < largest:
+        sizes.append(sizes[-1] * 2)
+    compilation["cudagraph_capture_sizes"] = sorted({*sizes, largest})
+    return {**engine_args, "compilation_config": compilation}
 
 
 #: DeepSeek-V3's R3 shape: 58 MoE layers of 256 experts, top-8
@@ -325,6 +339,11 @@ def main() -> int:
         help="the model built (default: dsv3 on a GPU, small on CPU)",
     )
     parser.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON")
+    parser.add_argument(
+        "--prefill-graphs",
+        action="store_true",
+        help="full CUDA graphs up to max_num_batched_tokens: prefill steps replay graphs",
+    )
     parser.add_argument("--profile", action="store_true", help="one py-spy round at the end")
     parser.add_argument(
         "--torch-profile",
@@ -406,6 +425,8 @@ def main() -> int:
     else:
         engine_args = dict(GPU_ENGINE_ARGS)
     engine_args.update(args.engine_args)
+    if args.prefill_graphs:
+        engine_args = with_prefill_graphs(engine_args)
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model or perf_model(args.cache, args.shape or ("small" if cpu else "dsv3"))
     configs = args.configs.split(",")

@@ -24,6 +24,7 @@ import driver  # noqa: E402
 import hw_counters  # noqa: E402
 import pinning  # noqa: E402
 import pool  # noqa: E402
+import report  # noqa: E402
 import worker  # noqa: E402
 
 
@@ -188,6 +189,32 @@ def test_prefill_graphs_double_from_the_decode_sizes_up_to_the_batch_limit() -> 
         -3:
     ] == [1024, 2048, 3000]
     assert driver.GPU_ENGINE_ARGS["compilation_config"]["cudagraph_capture_sizes"][-1] == 256
+
+
+def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:
+    def run(config: str, r3: str) -> dict[str, object]:
+        return {
+            "workload": "prefill",
+            "config": config,
+            "seed": 0,
+            "out_tok_s": 1.0,
+            "seconds": 1.0,
+            "steps": [[0.1, 1]],
+            "tokens_digest": "t",
+            "r3_digest": r3,
+            "r3_missing": 0,
+        }
+
+    alone = report.summary([run("off", ""), run("ours", "a")], ["off", "ours"], ["prefill"])
+    assert "R3 of ['ours'] not compared (one configuration with R3)" in alone
+    both = [run("off", ""), run("ours", "a"), run("native", "a")]
+    assert "R3 of ['native', 'ours'] identical" in report.summary(
+        both, ["off", "ours", "native"], ["prefill"]
+    )
+    both[2]["r3_digest"] = "b"
+    assert "R3 of ['native', 'ours'] DIFFER in 0 of 0" in report.summary(
+        both, ["off", "ours", "native"], ["prefill"]
+    )
 
 
 def test_a_counter_is_asked_for_in_user_space_only() -> None:

@@ -103,6 +103,8 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
             missing = sum(r["r3_missing"] for r in same.values())
             same_tokens = "identical" if len(tokens) == 1 else "DIFFER"
             verdict = "identical" if len(set(r3.values())) <= 1 else "DIFFER"
+            if len(r3) < 2:  # nothing to compare it with
+                verdict = "not compared (one configuration with R3)"
             if verdict == "DIFFER" and "ours" in same and "native" in same:
                 ours = same["ours"].get("r3_request_digests", [])
                 native = same["native"].get("r3_request_digests", [])

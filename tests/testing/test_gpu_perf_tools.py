@@ -20,7 +20,7 @@ PERF = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "perf"
 sys.path.insert(0, str(PERF))
 
 import analyze  # noqa: E402  (beside the scripts, as they import each other)
-import driver  # noqa: E402
+import engine_setup  # noqa: E402
 import hw_counters  # noqa: E402
 import pinning  # noqa: E402
 import pool  # noqa: E402
@@ -47,12 +47,12 @@ def test_repeat_keeps_the_first_workload_and_adds_new_ones_of_its_shape() -> Non
 
 def test_repeat_is_read_for_every_workload_or_per_workload() -> None:
     workloads = ["decode", "prefill"]
-    assert driver.parse_repeat("4", workloads) == {"decode": 4, "prefill": 4}
-    assert driver.parse_repeat("prefill=4", workloads) == {"decode": 1, "prefill": 4}
-    assert driver.parse_repeat("decode=2,prefill=3", workloads) == {"decode": 2, "prefill": 3}
+    assert engine_setup.parse_repeat("4", workloads) == {"decode": 4, "prefill": 4}
+    assert engine_setup.parse_repeat("prefill=4", workloads) == {"decode": 1, "prefill": 4}
+    assert engine_setup.parse_repeat("decode=2,prefill=3", workloads) == {"decode": 2, "prefill": 3}
     for text in ("0", "prefill=0", "chat=2", "x"):
         with pytest.raises(ValueError):
-            driver.parse_repeat(text, workloads)
+            engine_setup.parse_repeat(text, workloads)
 
 
 def _run(gaps_ms: list[float], repeat: int = 1) -> dict[str, object]:
@@ -180,15 +180,15 @@ def test_main_thread_instructions_pair_by_round_and_unavailable_counters_are_ski
 
 
 def test_prefill_graphs_double_from_the_decode_sizes_up_to_the_batch_limit() -> None:
-    args = driver.with_prefill_graphs(driver.GPU_ENGINE_ARGS)
+    args = engine_setup.with_prefill_graphs(engine_setup.GPU_ENGINE_ARGS)
     sizes = args["compilation_config"]["cudagraph_capture_sizes"]
     assert sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert args["compilation_config"]["cudagraph_mode"] == "FULL"
-    odd = {**driver.GPU_ENGINE_ARGS, "max_num_batched_tokens": 3000}
-    assert driver.with_prefill_graphs(odd)["compilation_config"]["cudagraph_capture_sizes"][
+    odd = {**engine_setup.GPU_ENGINE_ARGS, "max_num_batched_tokens": 3000}
+    assert engine_setup.with_prefill_graphs(odd)["compilation_config"]["cudagraph_capture_sizes"][
         -3:
     ] == [1024, 2048, 3000]
-    assert driver.GPU_ENGINE_ARGS["compilation_config"]["cudagraph_capture_sizes"][-1] == 256
+    assert engine_setup.GPU_ENGINE_ARGS["compilation_config"]["cudagraph_capture_sizes"][-1] == 256
 
 
 def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:

@@ -20,12 +20,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import engine_hooks  # beside this file (run as a script), as waits
 import numpy as np
+import proc_stats
 from engine_hooks import (
     all_inline,
     background_publisher,
@@ -41,10 +41,19 @@ from engine_hooks import (
 )
 from hw_counters import open_counters
 from pinning import pin_tree
+from proc_stats import (
+    gc_delta,
+    gc_totals,
+    process_counters,
+    python_thread_names,
+    thread_cpu,
+    thread_waits,
+)
 from waits import WaitSampler
 
 # collective_rpc ships these functions to the engine core, whose path need not reach here
 cloudpickle.register_pickle_by_value(engine_hooks)
+cloudpickle.register_pickle_by_value(proc_stats)
 
 TAG = "@@perf "
 
@@ -80,103 +89,6 @@ def _workload(name: str, seed: int | list[int], scale: float) -> tuple[list[list
         n = max(4, int(128 * scale))
         return [prefixes[i % 4] + ids(512) for i in range(n)], 16
     raise ValueError(f"unknown workload {name!r}")
-
-
-def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, keyed ``name:tid`` (Python's
-    thread name where known, else the kernel's)."""
-    import psutil
-
-    out: dict[str, float] = {}
-    with contextlib.suppress(psutil.Error):
-        for thread in psutil.Process(pid).threads():
-            name = names.get(thread.id, "?")
-            if name == "?":
-                with contextlib.suppress(OSError):
-                    name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
-            out[f"{name}:{thread.id}"] = thread.user_time + thread.system_time
-    return out
-
-
-def thread_waits(pid: int, names: dict[int, str]) -> dict[str, dict[str, int]]:
-    """Voluntary context switches and minor page faults of each thread of ``pid`` so far,
-    keyed as :func:`thread_cpu` under ``switches`` and ``faults``. A switch is the thread
-    blocking (on the GIL, a lock, the GPU, a socket), so against its CPU time it says whether a
-    slower thread computes more or waits more; faults say which thread touches fresh memory."""
-    out: dict[str, dict[str, int]] = {"switches": {}, "faults": {}}
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                task = f"/proc/{pid}/task/{tid}"
-                status = Path(f"{task}/status").read_text()
-                stat = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
-                name = names.get(int(tid)) or Path(f"{task}/comm").read_text().strip()
-                switches = status.split("voluntary_ctxt_switches:")[1].split()[0]
-                out["switches"][f"{name}:{tid}"] = int(switches)
-                out["faults"][f"{name}:{tid}"] = int(stat[7])  # minflt, as process_counters
-    return out
-
-
-def gc_totals(_: Any = None) -> dict[str, float]:
-    """Cyclic-GC collections and seconds per generation so far in this process (a callback
-    installed on first call), and the objects the collector tracks now."""
-    import gc
-
-    # kept on the gc module: collective_rpc ships this function by value to the engine core
-    seen: dict[str, float] | None = getattr(gc, "_perf_seen", None)
-    if seen is None:
-        seen = {}
-        started: list[float] = [0.0]
-
-        def on_gc(phase: str, info: dict[str, int]) -> None:
-            if phase == "start":
-                started[0] = time.perf_counter()
-                return
-            assert seen is not None
-            gen = info["generation"]
-            took = time.perf_counter() - started[0]
-            seen[f"gen{gen}_n"] = seen.get(f"gen{gen}_n", 0) + 1
-            seen[f"gen{gen}_s"] = seen.get(f"gen{gen}_s", 0.0) + took
-            seen[f"gen{gen}_max_s"] = max(seen.get(f"gen{gen}_max_s", 0.0), took)
-
-        gc.callbacks.append(on_gc)
-        gc._perf_seen = seen  # type: ignore[attr-defined]
-    totals = dict(seen)
-    totals["tracked"] = len(gc.get_objects())
-    totals["frozen"] = gc.get_freeze_count()
-    return totals
-
-
-def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {
-        k: (v if k.endswith("max_s") or k in ("tracked", "frozen") else v - before.get(k, 0))
-        for k, v in after.items()
-    }
-
-
-def process_counters(pid: int) -> dict[str, int]:
-    """Page faults (minor, major) of a process and context switches (voluntary, involuntary)
-    of its main thread so far (``/proc/PID/status`` counts the main thread's only; every
-    thread's are in :func:`thread_waits`): fresh memory touched, and the main thread blocking
-    or losing its CPU."""
-    import psutil
-
-    with contextlib.suppress(OSError, psutil.Error):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        switches = psutil.Process(pid).num_ctx_switches()
-        return {
-            "minflt": int(fields[7]),
-            "majflt": int(fields[9]),
-            "ctx_voluntary": switches.voluntary,
-            "ctx_involuntary": switches.involuntary,
-        }
-    return {}
-
-
-def python_thread_names() -> dict[int, str]:
-    import threading
-
-    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
 def counters(llm: Any) -> dict[str, float]:

@@ -35,8 +35,8 @@ GPU_ENGINE_ARGS: dict[str, Any] = {
 def with_prefill_graphs(engine_args: dict[str, Any]) -> dict[str, Any]:
     """``engine_args`` with full CUDA graphs also for batches above the decode sizes, up to
     ``max_num_batched_tokens`` (doubling): a prefill step then replays a graph instead of
-    launching every kernel from the engine's main thread, as compiled (piecewise) graphs
-    spare a production install, which this harness's torch cannot compile for."""
+    launching every kernel from the engine's main thread (a production install's compiled
+    piecewise graphs spare it most of that; this harness's torch cannot compile for vLLM)."""
     compilation = dict(engine_args["compilation_config"])
     sizes = sorted(compilation["cudagraph_capture_sizes"])
     largest = int(engine_args["max_num_batched_tokens"])

@@ -11,6 +11,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -225,6 +226,23 @@ def test_a_counter_is_asked_for_in_user_space_only() -> None:
     kind, size, config, _, _, _, flags = __import__("struct").unpack_from("IIQQQQQ", attr)
     assert (kind, size, config) == (0, 64, 1)
     assert flags == 0b110_0000  # bits 5 and 6 alone: counting starts enabled
+
+
+def test_a_counter_reaches_the_kernel_and_counts_its_thread() -> None:
+    """The syscall and the read, with the task clock (a software event every kernel has: this
+    machine, like the GPU VM, exposes no hardware counters)."""
+    kind, config = hw_counters.SOFTWARE_TASK_CLOCK
+    fd = hw_counters._open(threading.get_native_id(), config, kind)
+    try:
+        before = int.from_bytes(os.read(fd, 8), "little")
+        sum(i * i for i in range(300_000))
+        after = int.from_bytes(os.read(fd, 8), "little")
+        started = time.thread_time_ns()
+        sum(i * i for i in range(300_000))
+        loop_ns = time.thread_time_ns() - started
+    finally:
+        os.close(fd)
+    assert 0.3 * loop_ns < after - before < 3 * loop_ns  # the same loop, counted on this thread
 
 
 class _Connector:

@@ -21,31 +21,41 @@ __all__ = ["ThreadCounters", "open_counters"]
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(os.uname().machine)
 _PERF_TYPE_HARDWARE = 0
+#: a software event (``PERF_TYPE_SOFTWARE``, config 1: the task clock in ns): any kernel has it,
+#: so the tests check this module's way to the kernel with it where no PMU is exposed
+SOFTWARE_TASK_CLOCK = (1, 1)
 #: ``perf_event_attr.config`` of the hardware events read here.
 EVENTS = {"instructions": 1, "cycles": 0}
 # perf_event_attr's flag bits: exclude_kernel (5) and exclude_hv (6); the thread's user-space
 # work is what R3 adds, and a VM's counters often refuse kernel counting.
 _EXCLUDE_KERNEL_AND_HV = (1 << 5) | (1 << 6)
-_ATTR_SIZE = 64  # PERF_ATTR_SIZE_VER0: the fields below, zeros after config
+_ATTR_SIZE = 64  # PERF_ATTR_SIZE_VER0: the fields _attr packs, then zeros
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def _attr(config: int) -> bytes:
+def _attr(config: int, kind: int = _PERF_TYPE_HARDWARE) -> bytes:
     """A ``perf_event_attr`` (type, size, config, sample period, sample type, read format,
     flags, then zeros) counting ``config`` in user space."""
-    head = struct.pack(
-        "IIQQQQQ", _PERF_TYPE_HARDWARE, _ATTR_SIZE, config, 0, 0, 0, _EXCLUDE_KERNEL_AND_HV
-    )
+    head = struct.pack("IIQQQQQ", kind, _ATTR_SIZE, config, 0, 0, 0, _EXCLUDE_KERNEL_AND_HV)
     return head + bytes(_ATTR_SIZE - len(head))
 
 
-def _open(tid: int, config: int) -> int:
+def _open(tid: int, config: int, kind: int = _PERF_TYPE_HARDWARE) -> int:
+    """A counting file descriptor of event ``config`` of type ``kind`` on thread ``tid``."""
     if _PERF_EVENT_OPEN is None:
         raise OSError("perf_event_open: unknown syscall number on this machine")
-    attr = ctypes.create_string_buffer(_attr(config), _ATTR_SIZE)
-    fd = _libc.syscall(_PERF_EVENT_OPEN, attr, tid, -1, -1, 0)
+    attr = ctypes.create_string_buffer(_attr(config, kind), _ATTR_SIZE)
+    # syscall(2) is variadic: pid, cpu and group_fd are ints, flags an unsigned long
+    fd = _libc.syscall(
+        ctypes.c_long(_PERF_EVENT_OPEN),
+        attr,
+        ctypes.c_int(tid),
+        ctypes.c_int(-1),
+        ctypes.c_int(-1),
+        ctypes.c_ulong(0),
+    )
     if fd < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"perf_event_open: {os.strerror(errno)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -190,6 +191,17 @@ def test_prefill_graphs_double_from_the_decode_sizes_up_to_the_batch_limit() -> 
         -3:
     ] == [1024, 2048, 3000]
     assert engine_setup.GPU_ENGINE_ARGS["compilation_config"]["cudagraph_capture_sizes"][-1] == 256
+
+
+def test_the_driver_offers_prefill_graphs_on_its_command_line() -> None:
+    """The driver imports what it needs from its sibling modules and documents the option."""
+    shown = subprocess.run(
+        [sys.executable, str(PERF / "driver.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--prefill-graphs" in shown and "--split-cpus" in shown
 
 
 def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:

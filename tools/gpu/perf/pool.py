@@ -97,6 +97,12 @@ def main_thread_counter(run: dict[str, Any], event: str) -> float:
     return float(count) if isinstance(count, int) and count > 0 else float("nan")
 
 
+def main_thread_cpi(run: dict[str, Any]) -> float:
+    """Cycles per instruction of the engine core's main thread in the round (nan without
+    counters)."""
+    return main_thread_counter(run, "cycles") / main_thread_counter(run, "instructions")
+
+
 def schedule_cpu(run: dict[str, Any]) -> float:
     """CPU seconds of vLLM's ``schedule`` less the R3 connector's timed part inside it (nan
     without step timers)."""
@@ -189,23 +195,21 @@ def main() -> None:
                     f"over the round, medians: {top} {busy[top]:.3f}, {bottom} "
                     f"{busy[bottom]:.3f}; its CPU ratio's {scatter(cpu_ratios)}"
                 )
-            cpi = {
+            cpi = {  # rounds without counters (nan) left out
                 config: [
-                    main_thread_counter(runs[config], "cycles")
-                    / main_thread_counter(runs[config], "instructions")
+                    c
                     for runs in by_round.values()
-                    if config in runs
+                    if config in runs and (c := main_thread_cpi(runs[config])) == c
                 ]
                 for config in (top, bottom)
             }
-            if all(any(c == c for c in values) for values in cpi.values()):
+            if all(cpi.values()):
                 print(
                     f"{workload:8s} {top}/{bottom} main CPI  : the engine main thread's cycles "
                     "per instruction, median (min-max): "
                     + ", ".join(
                         f"{config} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
-                        for config, values in cpi.items()
-                        if (v := [c for c in values if c == c])
+                        for config, v in cpi.items()
                     )
                 )
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():

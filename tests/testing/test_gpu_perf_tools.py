@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(PERF))
 
 import analyze  # noqa: E402  (beside the scripts, as they import each other)
 import engine_setup  # noqa: E402
+import gpu_timeline  # noqa: E402
 import hw_counters  # noqa: E402
 import pinning  # noqa: E402
 import pool  # noqa: E402
@@ -324,3 +326,90 @@ def test_a_pinned_tree_takes_its_children_and_their_threads_along() -> None:
         for pid in reversed(pinning.process_tree([parent.pid])):
             os.kill(pid, 9)
         parent.wait()
+
+
+def test_the_gpu_timeline_splits_a_round_into_forwards_and_the_time_outside() -> None:
+    # two steps, each a forward inside execute_model (recorded when it ends, before the call
+    # around it); the second step's execute_model was queued 5 ms after the first's sampling
+    # finished, and its forward 3 ms into it (the main thread's work before the forward)
+    figures = gpu_timeline.timeline_figures(
+        [
+            ("forward", 1.0, 39.0),
+            ("execute_model", 0.0, 40.0),
+            ("sample_tokens", 40.0, 41.0),
+            ("forward", 49.0, 85.5),
+            ("execute_model", 46.0, 86.5),
+            ("sample_tokens", 86.5, 87.0),
+        ]
+    )
+    assert figures["calls"] == 4 and figures["forwards"] == 2
+    assert figures["span_s"] == pytest.approx(0.087)
+    assert figures["forward_s"] == pytest.approx(0.0745)
+    assert figures["outside_forwards_s"] == pytest.approx(0.0125)
+    assert figures["median_forward_ms"] == pytest.approx(37.25)
+    assert figures["busy_s"] == pytest.approx(0.082)
+    assert figures["idle_s"] == pytest.approx(0.005)
+    assert figures["busy_s"] + figures["idle_s"] == pytest.approx(figures["span_s"])
+    assert figures["busy_by_call_s"] == {"execute_model": 0.0805, "sample_tokens": 0.0015}
+    assert figures["gaps_over_1ms"] == 1
+    assert figures["longest_gaps_ms"] == [[5.0, "execute_model"]]
+    assert gpu_timeline.timeline_figures([]) == {"calls": 0}
+    assert gpu_timeline.timeline_figures([("forward", 0.0, 1.0)]) == {"calls": 0}
+
+
+def test_without_cuda_the_gpu_timeline_says_so_and_installs_nothing() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.fail("this test is for the CPU machines the suite runs on")
+
+    class Runner:
+        def execute_model(self) -> str:
+            return "stepped"
+
+    class EngineWorker:
+        model_runner = Runner()
+
+    engine_worker = EngineWorker()
+    assert gpu_timeline.gpu_timeline(engine_worker) == {"unavailable": "no CUDA device"}
+    assert engine_worker.model_runner.execute_model() == "stepped"
+    assert "execute_model" not in vars(engine_worker.model_runner)
+
+
+def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference() -> None:
+    def run(seconds: float, forward: float | None, outside: float, idle: float) -> dict[str, Any]:
+        timeline = (
+            {"calls": 4, "forward_s": forward, "outside_forwards_s": outside, "idle_s": idle}
+            if forward is not None
+            else {}
+        )
+        return {"seconds": seconds, "gpu_timeline": timeline}
+
+    pairs = [  # (ours, off)
+        (run(3.0, 2.6, 0.30, 0.10), run(2.9, 2.6, 0.20, 0.05)),
+        (run(3.2, 2.8, 0.32, 0.12), run(3.0, 2.7, 0.22, 0.07)),
+        (run(3.1, None, 0.0, 0.0), run(3.0, 2.7, 0.2, 0.05)),  # no timeline: left out
+    ]
+    split = pool.gpu_split(pairs)
+    assert split == (
+        "mean over rounds of the first less the second, ms: round +150.0, GPU in forwards "
+        "+50.0, outside forwards +100.0 (nothing queued +50.0), n=2"
+    )
+    assert pool.gpu_split(pairs[2:]) is None
+    assert math.isnan(pool.gpu_seconds(pairs[2][0], "forward_s"))
+    assert pool.PARTS["GPU forward"](pairs[0][0]) == 2.6
+    timeline = {
+        "calls": 4,
+        "span_s": 1.0,
+        "forward_s": 0.9,
+        "outside_forwards_s": 0.1,
+        "median_forward_ms": 40.0,
+        "idle_s": 0.05,
+        "gaps_over_1ms": 3,
+        "idle_in_gaps_over_1ms_s": 0.04,
+    }
+    line = analyze.gpu_timeline_line([{"gpu_timeline": timeline}, {"gpu_timeline": {}}])
+    assert line == (
+        "span 1.000 s, in forwards 0.900 s (a forward 40.00 ms), outside forwards 100.0 ms, "
+        "nothing queued 50.0 ms (3 gaps over 1 ms: 40.0 ms); n=1"
+    )
+    assert analyze.gpu_timeline_line([{"gpu_timeline": {"calls": 0}}]) is None

@@ -174,6 +174,25 @@ def step_timer_share(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> 
     return R3Share(own, excess, known, (own + excess) / seconds)
 
 
+def gpu_timeline_line(runs: list[dict[str, Any]]) -> str | None:
+    """The rounds' GPU timelines in one line (medians), None where none was recorded."""
+    lines = [t for r in runs if (t := r.get("gpu_timeline") or {}).get("calls")]
+    if not lines:
+        return None
+
+    def median(field: str) -> float:
+        return statistics.median(float(t[field]) for t in lines)
+
+    forwards = [t["median_forward_ms"] for t in lines if t.get("median_forward_ms") is not None]
+    forward = f" (a forward {statistics.median(forwards):.2f} ms)" if forwards else ""
+    return (
+        f"span {median('span_s'):.3f} s, in forwards {median('forward_s'):.3f} s{forward}, "
+        f"outside forwards {1000 * median('outside_forwards_s'):.1f} ms, nothing queued "
+        f"{1000 * median('idle_s'):.1f} ms ({median('gaps_over_1ms'):.0f} gaps over 1 ms: "
+        f"{1000 * median('idle_in_gaps_over_1ms_s'):.1f} ms); n={len(lines)}"
+    )
+
+
 def _r3_names(names: set[str]) -> set[str]:
     return {n for n in names if n.startswith(R3_PARTS)}
 
@@ -290,7 +309,7 @@ def main() -> None:
                     [r for r in timed if r["workload"] == workload and r["config"] == config],
                     config,
                 )
-        print("  per round, median long step ms (the eager prefill-carrying steps): min/median/max")
+        print("  per round, median long step ms (the prefill-carrying steps): min/median/max")
         for config in configs:
             per_round = [
                 1000 * statistics.median(long)
@@ -318,6 +337,12 @@ def main() -> None:
                     f"  {config} R3 main-thread CPU per round (step timers, medians): own parts "
                     f"{1000 * r3.own:.1f} ms{excess} = {100 * r3.share:.2f}% of the round"
                 )
+        for config in configs:
+            line = gpu_timeline_line(
+                [r for r in timed if r["workload"] == workload and r["config"] == config]
+            )
+            if line:
+                print(f"  {config} GPU per round (medians, gpu_timeline.py): {line}")
         print("  cyclic GC per round (median): collections and seconds per generation")
         for config in configs:
             for role in ("engine", "frontend"):

@@ -234,7 +234,8 @@ def main() -> int:
     parser.add_argument(
         "--step-timers",
         action="store_true",
-        help="time the engine core main thread's scheduler and R3 connector calls per round",
+        help="time the engine core main thread's scheduler and R3 connector calls per "
+        "round, and the GPU's time in and outside forward passes (gpu_timeline.py)",
     )
     parser.add_argument(
         "--wait-sampler",

@@ -33,6 +33,13 @@ cannot correct the ratio by itself). Where the machine let the runs count the ma
 instructions (``hw_counters.py``), their ratio a round ("main instr", above 1: the first
 configuration's thread retired fewer), which does not depend on the CPU's speed: how much work
 R3 adds to the thread that bounds the round; and its cycles per instruction ("main CPI").
+Where the runs recorded the GPU's timeline (``gpu_timeline.py``, with step timers): the ratio
+of the GPU's seconds in forward passes a round ("GPU forward"), and per pair what a round's time
+difference is made of ("GPU split"): the mean over rounds of the first configuration's round
+seconds less the second's (ours/off: ours less off), of its seconds in forwards less the
+second's, of its seconds outside forwards less the second's, and of the part of those with
+nothing queued. More forward time is GPU work inside the forward (the capture); more time
+outside forwards is the GPU waiting for the engine's main thread to queue the next one.
 """
 
 from __future__ import annotations
@@ -103,6 +110,34 @@ def main_thread_cpi(run: dict[str, Any]) -> float:
     return main_thread_counter(run, "cycles") / main_thread_counter(run, "instructions")
 
 
+def gpu_seconds(run: dict[str, Any], field: str) -> float:
+    """A seconds field of the round's GPU timeline (nan where not recorded)."""
+    value = (run.get("gpu_timeline") or {}).get(field)
+    return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
+def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
+    """Mean differences (ms, first less second) of the round's seconds and of its GPU
+    timeline's parts over rounds with a timeline in both; None without such rounds."""
+    fields = ("forward_s", "outside_forwards_s", "idle_s")
+    rows = [
+        [
+            1000 * (first.get("seconds", math.nan) - second.get("seconds", math.nan)),
+            *(1000 * (gpu_seconds(first, f) - gpu_seconds(second, f)) for f in fields),
+        ]
+        for first, second in pairs
+    ]
+    rows = [row for row in rows if all(x == x for x in row)]
+    if len(rows) < 2:
+        return None
+    means = [statistics.mean(column) for column in zip(*rows, strict=True)]
+    return (
+        f"mean over rounds of the first less the second, ms: round {means[0]:+.1f}, GPU in "
+        f"forwards {means[1]:+.1f}, outside forwards {means[2]:+.1f} (nothing queued "
+        f"{means[3]:+.1f}), n={len(rows)}"
+    )
+
+
 def schedule_cpu(run: dict[str, Any]) -> float:
     """CPU seconds of vLLM's ``schedule`` less the R3 connector's timed part inside it (nan
     without step timers)."""
@@ -126,6 +161,7 @@ PARTS: dict[str, Callable[[dict[str, Any]], float]] = {
     "long step": long_step,
     "main CPU": main_thread_cpu,
     "main instr": lambda run: main_thread_counter(run, "instructions"),
+    "GPU forward": lambda run: gpu_seconds(run, "forward_s"),
 }
 
 
@@ -212,6 +248,15 @@ def main() -> None:
                         for config, v in cpi.items()
                     )
                 )
+            split = gpu_split(
+                [
+                    (runs[top], runs[bottom])
+                    for runs in by_round.values()
+                    if top in runs and bottom in runs
+                ]
+            )
+            if split:
+                print(f"{workload:8s} {top}/{bottom} GPU split : {split}")
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
                 mine = [r for (run_index, _), r in round_ratios.items() if run_index == index]
                 if len(mine) > 1:

@@ -24,6 +24,7 @@ from typing import Any
 
 import cloudpickle
 import engine_hooks  # beside this file (run as a script), as waits
+import gpu_timeline as gpu_timeline_module
 import numpy as np
 import proc_stats
 from engine_hooks import (
@@ -39,6 +40,7 @@ from engine_hooks import (
     torch_profile,
     unbind_capture,
 )
+from gpu_timeline import gpu_timeline
 from hw_counters import open_counters
 from pinning import pin_tree
 from proc_stats import (
@@ -54,6 +56,7 @@ from waits import WaitSampler
 # collective_rpc ships these functions to the engine core, whose path need not reach here
 cloudpickle.register_pickle_by_value(engine_hooks)
 cloudpickle.register_pickle_by_value(proc_stats)
+cloudpickle.register_pickle_by_value(gpu_timeline_module)
 
 TAG = "@@perf "
 
@@ -193,6 +196,7 @@ class Worker:
         applied: list[Any] = []
         if self.timers:  # first: an unbound capture is not timed
             self.llm.collective_rpc(step_timers)
+            self.llm.collective_rpc(gpu_timeline)
         for variant in self.variants:
             if variant == "nocap":
                 applied += self.llm.collective_rpc(unbind_capture)
@@ -257,6 +261,7 @@ class Worker:
             for found in self.llm.collective_rpc(lambda _: python_thread_names()):  # its worker)
                 names.update({int(k): v for k, v in found.items()})
         self.read_step_timers()  # from zero
+        self.read_gpu_timeline()
         gc0 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         cpu0 = {pid: thread_cpu(pid, names) for pid in pids}
         proc0 = {pid: process_counters(pid) for pid in pids}
@@ -278,6 +283,7 @@ class Worker:
         waits1 = {pid: thread_waits(pid, names) for pid in pids}
         gc1 = {"frontend": gc_totals(), "engine": self.engine_gc()}
         timers = self.read_step_timers()
+        timeline = self.read_gpu_timeline()
         after = counters(self.llm)
         after_store = store_counts(self.llm) if self.base == "ours" else {}
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -343,6 +349,7 @@ class Worker:
             },
             "gc": {role: gc_delta(gc0[role], gc1[role]) for role in gc0},
             "step_timers": timers,
+            "gpu_timeline": timeline,
             "main_thread_waits": sampler.result if sampler else {},
             "process": {
                 "frontend" if pid == os.getpid() else f"engine{i}": {
@@ -382,6 +389,14 @@ class Worker:
             return {}
         with contextlib.suppress(Exception):
             return dict(self.llm.collective_rpc(step_timers, kwargs={"read": True})[0])
+        return {}
+
+    def read_gpu_timeline(self) -> dict[str, Any]:
+        """:func:`gpu_timeline` since the last read (installed with the step timers)."""
+        if not self.timers:
+            return {}
+        with contextlib.suppress(Exception):
+            return dict(self.llm.collective_rpc(gpu_timeline, kwargs={"read": True})[0])
         return {}
 
     def engine_gc(self) -> dict[str, float]:

@@ -392,12 +392,14 @@ class Worker:
         return {}
 
     def read_gpu_timeline(self) -> dict[str, Any]:
-        """:func:`gpu_timeline` since the last read (installed with the step timers)."""
+        """:func:`gpu_timeline` since the last read (installed with the step timers); a
+        failure is recorded as ``{"error": ...}``, not raised (the round's timing stands)."""
         if not self.timers:
             return {}
-        with contextlib.suppress(Exception):
+        try:
             return dict(self.llm.collective_rpc(gpu_timeline, kwargs={"read": True})[0])
-        return {}
+        except Exception as error:  # any failure of the measuring aid
+            return {"error": f"{type(error).__name__}: {error}"}
 
     def engine_gc(self) -> dict[str, float]:
         with contextlib.suppress(Exception):

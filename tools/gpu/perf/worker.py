@@ -162,6 +162,7 @@ class Worker:
         self.engine_pids: list[int] = []
         self.pinned: list[int] | None = None  # the CPUs this round's processes run on
         self.steps: list[tuple[float, int]] = []
+        self.timeline_error = ""  # why gpu_timeline could not be installed
 
     def start(self) -> dict[str, Any]:
         from vllm import LLM
@@ -196,7 +197,10 @@ class Worker:
         applied: list[Any] = []
         if self.timers:  # first: an unbound capture is not timed
             self.llm.collective_rpc(step_timers)
-            self.llm.collective_rpc(gpu_timeline)
+            try:  # a measuring aid not yet run on every vLLM: its failure is recorded
+                self.llm.collective_rpc(gpu_timeline)
+            except Exception as error:
+                self.timeline_error = f"{type(error).__name__}: {error}"
         for variant in self.variants:
             if variant == "nocap":
                 applied += self.llm.collective_rpc(unbind_capture)
@@ -396,6 +400,8 @@ class Worker:
         failure is recorded as ``{"error": ...}``, not raised (the round's timing stands)."""
         if not self.timers:
             return {}
+        if self.timeline_error:
+            return {"error": self.timeline_error}
         try:
             return dict(self.llm.collective_rpc(gpu_timeline, kwargs={"read": True})[0])
         except Exception as error:  # any failure of the measuring aid

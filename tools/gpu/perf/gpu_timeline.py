@@ -71,6 +71,7 @@ def gpu_timeline(worker: Any, read: bool = False) -> dict[str, Any]:
     """Install the events on the worker's model runner (first call), or with ``read`` return
     :func:`timeline_figures` of the calls since the last read and start again. Runs where
     collective_rpc runs (the engine core's process on a one-GPU engine)."""
+    import contextlib
     import functools
 
     import torch
@@ -102,8 +103,15 @@ def gpu_timeline(worker: Any, read: bool = False) -> dict[str, Any]:
 
     def keep(name: str, before: Any) -> None:
         kept = runner._perf_gpu_calls
-        if len(kept) < MAX_CALLS:
+        if before is not None and len(kept) < MAX_CALLS:
             kept.append((name, before, event()))
+
+    def maybe_event() -> Any:
+        """An event, or None if recording failed (the step must not fail for the aid)."""
+        try:
+            return event()
+        except Exception:
+            return None
 
     capturing = torch.cuda.is_current_stream_capturing  # no events inside a graph's capture
 
@@ -112,11 +120,11 @@ def gpu_timeline(worker: Any, read: bool = False) -> dict[str, Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if capturing():
                 return original(*args, **kwargs)
-            before = event()
-            try:
-                return original(*args, **kwargs)
-            finally:
+            before = maybe_event()
+            result = original(*args, **kwargs)
+            with contextlib.suppress(Exception):
                 keep(name, before)
+            return result
 
         return wrapper
 
@@ -135,11 +143,12 @@ def gpu_timeline(worker: Any, read: bool = False) -> dict[str, Any]:
 
         def before_forward(*_: Any) -> None:
             if not capturing():
-                started.append(event())
+                started.append(maybe_event())
 
         def after_forward(*_: Any) -> None:
             if started and not capturing():
-                keep("forward", started.pop())
+                with contextlib.suppress(Exception):
+                    keep("forward", started.pop())
 
         model.register_forward_pre_hook(before_forward)
         model.register_forward_hook(after_forward)

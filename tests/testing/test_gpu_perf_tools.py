@@ -413,3 +413,27 @@ def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference(
         "nothing queued 50.0 ms (3 gaps over 1 ms: 40.0 ms); n=1"
     )
     assert analyze.gpu_timeline_line([{"gpu_timeline": {"calls": 0}}]) is None
+
+
+def test_by_step_pairs_rounds_of_the_common_step_count_and_names_the_largest_steps() -> None:
+    def run(times: list[float], seconds: float) -> dict[str, Any]:
+        return {"steps": [[t, 0] for t in times], "seconds": seconds}
+
+    pairs = [  # (ours, off): ours' second step 40 ms longer, 1 ms more after the last
+        (run([0.10, 0.25, 0.30], 0.311), run([0.10, 0.21, 0.26], 0.27)),
+        (run([0.11, 0.26, 0.31], 0.321), run([0.11, 0.22, 0.27], 0.28)),
+        (run([0.10, 0.20, 0.30, 0.40], 0.5), run([0.1, 0.2], 0.3)),  # step counts differ
+        # equal, but not the common count
+        (run([0.1, 0.2, 0.3, 0.4], 0.5), run([0.1, 0.2, 0.3, 0.4], 0.4)),
+    ]
+    differences = pool.step_differences(pairs)
+    *steps, total, count = differences
+    assert count == 2
+    assert steps == pytest.approx([0.0, 40.0, 0.0, 1.0])
+    assert total == pytest.approx(41.0)
+    line = pool.by_step(differences, top=2)
+    assert line == (
+        "medians over 2 rounds of one step count, ms: the round +41.0, its steps' summed "
+        "+41.0; largest: step 2 +40.0, after the last +1.0"
+    )
+    assert pool.step_differences(pairs[:1]) == []

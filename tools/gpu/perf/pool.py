@@ -40,11 +40,16 @@ seconds less the second's (ours/off: ours less off), of its seconds in forwards 
 second's, of its seconds outside forwards less the second's, and of the part of those with
 nothing queued. More forward time is GPU work inside the forward (the capture); more time
 outside forwards is the GPU waiting for the engine's main thread to queue the next one.
+And per pair, where in the round the difference falls ("by step"): over rounds in which both
+took the same number of steps (the most common number), the median of the first
+configuration's time from one step output to the next less the second's, per step; the steps
+that differ most are listed with the median of the rounds' whole difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -135,6 +140,52 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
         f"mean over rounds of the first less the second, ms: round {means[0]:+.1f}, GPU in "
         f"forwards {means[1]:+.1f}, outside forwards {means[2]:+.1f} (nothing queued "
         f"{means[3]:+.1f}), n={len(rows)}"
+    )
+
+
+def step_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
+    """Per step, the median over pairs of the first run's time from the previous step output
+    (the round's start for the first) less the second's, ms; the last entry is the time after
+    the last step output. Only pairs of equal step count, of the most common one, count (so
+    that a step's index means the same step); empty without two such pairs."""
+
+    def gaps(run: dict[str, Any]) -> list[float]:
+        times = [0.0, *(t for t, _ in run["steps"]), run["seconds"]]
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    equal = [
+        (a, b)
+        for a, b in pairs
+        if len(a["steps"]) == len(b["steps"]) and "seconds" in a and "seconds" in b
+    ]
+    if not equal:
+        return []
+    count = statistics.mode(len(a["steps"]) for a, _ in equal)
+    rows = [
+        [1000 * (x - y) for x, y in zip(gaps(first), gaps(second), strict=True)]
+        for first, second in equal
+        if len(first["steps"]) == count
+    ]
+    if len(rows) < 2:
+        return []
+    return [statistics.median(column) for column in zip(*rows, strict=True)] + [
+        statistics.median(sum(row) for row in rows),
+        len(rows),
+    ]
+
+
+def by_step(differences: list[float], top: int = 5) -> str:
+    """:func:`step_differences` in one line: the round's median total, its steps' medians
+    summed, and the steps of the largest medians (1 = the first output)."""
+    *steps, total, count = differences
+    largest = sorted(range(len(steps)), key=lambda i: -abs(steps[i]))[:top]
+    named = ", ".join(
+        f"{'after the last' if i == len(steps) - 1 else f'step {i + 1}'} {steps[i]:+.1f}"
+        for i in largest
+    )
+    return (
+        f"medians over {count:.0f} rounds of one step count, ms: the round {total:+.1f}, its "
+        f"steps' summed {sum(steps):+.1f}; largest: {named}"
     )
 
 
@@ -257,6 +308,15 @@ def main() -> None:
             )
             if split:
                 print(f"{workload:8s} {top}/{bottom} GPU split : {split}")
+            differences = step_differences(
+                [
+                    (runs[top], runs[bottom])
+                    for runs in by_round.values()
+                    if top in runs and bottom in runs
+                ]
+            )
+            if differences:
+                print(f"{workload:8s} {top}/{bottom} by step   : {by_step(differences)}")
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
                 mine = [r for (run_index, _), r in round_ratios.items() if run_index == index]
                 if len(mine) > 1:

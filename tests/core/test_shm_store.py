@@ -122,6 +122,41 @@ def test_put_runs_publish_every_block_of_every_run(
             put_runs(store, [(c[:1], rows_for(layout, 3), 0), (a, other, 32)])
 
 
+@pytest.mark.parametrize("path", ["ShmStore.put_runs", "ObjectStore.put_runs"])
+def test_put_runs_of_several_runs_without_repeats_publish_each_object_whole(
+    shm_root: str, layout: R3Layout, namespace: Namespace, path: str
+) -> None:
+    """A prefill step's batch: runs of several requests, none repeated, a run's short tail in
+    the middle of the batch (each object's payload cut from its own run); a second batch
+    republishing some of them around a new run."""
+    put_runs = ShmStore.put_runs if path == "ShmStore.put_runs" else ObjectStore.put_runs
+    with open_writer(shm_root, layout) as store:
+        a = [key_for(namespace, i) for i in range(3)]
+        b = [key_for(namespace, 10 + i) for i in range(4)]
+        c = [key_for(namespace, 20 + i) for i in range(2)]
+        rows_a = rows_for(layout, 1, 40)  # 2 full blocks + an 8-token tail, from token 0
+        rows_b = rows_for(layout, 2, 64)  # 4 full blocks, from token 16
+        rows_c = rows_for(layout, 3, 20)  # 1 full block + a 4-token tail, from token 32
+        put_runs(store, [(a, rows_a, 0), (b, rows_b, 16), (c, rows_c, 32)])
+        for keys, rows, start in ((a, rows_a, 0), (b, rows_b, 16), (c, rows_c, 32)):
+            out = layout.empty(len(rows))
+            store.read_into(keys, out, token_start=start)
+            np.testing.assert_array_equal(out, rows)
+        env = store.envelope_of(a[2])
+        assert env is not None and (int(env["token_start"]), int(env["n_tokens"])) == (32, 8)
+        env = store.envelope_of(b[3])
+        assert env is not None and (int(env["token_start"]), int(env["n_tokens"])) == (64, 16)
+        d = [key_for(namespace, 30 + i) for i in range(3)]
+        rows_d = rows_for(layout, 4, 48)
+        # b and c's first block republished (kept) around d's new run, the batch's second
+        put_runs(store, [(b, rows_b.copy(), 16), (d, rows_d, 0), (c[:1], rows_c[:16], 32)])
+        out = layout.empty(48)
+        store.read_into(d, out, token_start=0)
+        np.testing.assert_array_equal(out, rows_d)
+        np.testing.assert_array_equal(np.concatenate(store.get(b)), rows_b)
+        assert store.stats().objects == 12
+
+
 def test_uint16_layout_round_trip(shm_root: str, namespace: Namespace) -> None:
     wide = R3Layout(num_layers=4, top_k=4, num_experts=300, block_size=32, dense_layers=(1,))
     with open_writer(shm_root, wide) as store:

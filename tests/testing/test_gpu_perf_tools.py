@@ -347,10 +347,10 @@ def test_the_gpu_timeline_splits_a_round_into_forwards_and_the_time_outside() ->
     assert figures["forward_s"] == pytest.approx(0.0745)
     assert figures["outside_forwards_s"] == pytest.approx(0.0125)
     assert figures["median_forward_ms"] == pytest.approx(37.25)
-    assert figures["busy_s"] == pytest.approx(0.082)
+    assert figures["in_calls_s"] == pytest.approx(0.082)
     assert figures["idle_s"] == pytest.approx(0.005)
-    assert figures["busy_s"] + figures["idle_s"] == pytest.approx(figures["span_s"])
-    assert figures["busy_by_call_s"] == {"execute_model": 0.0805, "sample_tokens": 0.0015}
+    assert figures["in_calls_s"] + figures["idle_s"] == pytest.approx(figures["span_s"])
+    assert figures["in_calls_by_name_s"] == {"execute_model": 0.0805, "sample_tokens": 0.0015}
     assert figures["gaps_over_1ms"] == 1
     assert figures["longest_gaps_ms"] == [[5.0, "execute_model"]]
     assert gpu_timeline.timeline_figures([]) == {"calls": 0}

@@ -34,18 +34,19 @@ GAP_MS = 1.0
 def timeline_figures(calls: list[tuple[str, float, float]]) -> dict[str, Any]:
     """Figures of calls ``(name, start_ms, end_ms)``, their times those of the events (one
     origin): top-level calls in stream order, with the forwards inside them named
-    ``"forward"``. Busy: each top-level call's end less its start; idle: each call's start less
+    ``"forward"``. In calls: each top-level call's end less its start (the GPU's work on what
+    it queued, and any wait inside it before it queued anything); idle: each call's start less
     the previous one's end (never negative: events on one stream complete in order, so only
     rounding makes it so); outside forwards: the span less the forwards' time."""
     top = [call for call in calls if call[0] != "forward"]
     forwards = [end - start for name, start, end in calls if name == "forward"]
     if not top:
         return {"calls": 0}
-    busy: dict[str, list[float]] = {}
+    in_calls: dict[str, list[float]] = {}
     gaps: list[tuple[float, str]] = []  # (ms, the call that waited)
     previous_end = None
     for name, start, end in top:
-        busy.setdefault(name, []).append(max(0.0, end - start))
+        in_calls.setdefault(name, []).append(max(0.0, end - start))
         if previous_end is not None:
             gaps.append((max(0.0, start - previous_end), name))
         previous_end = end
@@ -58,9 +59,9 @@ def timeline_figures(calls: list[tuple[str, float, float]]) -> dict[str, Any]:
         "forward_s": sum(forwards) / 1000,
         "outside_forwards_s": (span - sum(forwards)) / 1000,
         "median_forward_ms": round(statistics.median(forwards), 4) if forwards else None,
-        "busy_s": sum(sum(v) for v in busy.values()) / 1000,
+        "in_calls_s": sum(sum(v) for v in in_calls.values()) / 1000,
         "idle_s": sum(ms for ms, _ in gaps) / 1000,
-        "busy_by_call_s": {name: round(sum(v) / 1000, 6) for name, v in busy.items()},
+        "in_calls_by_name_s": {name: round(sum(v) / 1000, 6) for name, v in in_calls.items()},
         "gaps_over_1ms": len(long_gaps),
         "idle_in_gaps_over_1ms_s": sum(ms for ms, _ in long_gaps) / 1000,
         "longest_gaps_ms": [[round(ms, 3), name] for ms, name in long_gaps[:8]],

@@ -299,22 +299,15 @@ def main() -> None:
                         for config, v in cpi.items()
                     )
                 )
-            split = gpu_split(
-                [
-                    (runs[top], runs[bottom])
-                    for runs in by_round.values()
-                    if top in runs and bottom in runs
-                ]
-            )
+            paired = [
+                (runs[top], runs[bottom])
+                for runs in by_round.values()
+                if top in runs and bottom in runs
+            ]
+            split = gpu_split(paired)
             if split:
                 print(f"{workload:8s} {top}/{bottom} GPU split : {split}")
-            differences = step_differences(
-                [
-                    (runs[top], runs[bottom])
-                    for runs in by_round.values()
-                    if top in runs and bottom in runs
-                ]
-            )
+            differences = step_differences(paired)
             if differences:
                 print(f"{workload:8s} {top}/{bottom} by step   : {by_step(differences)}")
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():

@@ -146,8 +146,9 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
 def step_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
     """Per step, the median over pairs of the first run's time from the previous step output
     (the round's start for the first) less the second's, ms; the last entry is the time after
-    the last step output. Only pairs of equal step count, of the most common one, count (so
-    that a step's index means the same step); empty without two such pairs."""
+    the last step output; then the median of the rounds' whole difference and the number of
+    rounds. Only pairs of equal step count, of the most common one, count (so that a step's
+    index means the same step); empty without two such pairs."""
 
     def gaps(run: dict[str, Any]) -> list[float]:
         times = [0.0, *(t for t, _ in run["steps"]), run["seconds"]]

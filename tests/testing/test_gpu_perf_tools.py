@@ -378,7 +378,13 @@ def test_without_cuda_the_gpu_timeline_says_so_and_installs_nothing() -> None:
 def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference() -> None:
     def run(seconds: float, forward: float | None, outside: float, idle: float) -> dict[str, Any]:
         timeline = (
-            {"calls": 4, "forward_s": forward, "outside_forwards_s": outside, "idle_s": idle}
+            {
+                "calls": 4,
+                "span_s": forward + outside,
+                "forward_s": forward,
+                "outside_forwards_s": outside,
+                "idle_s": idle,
+            }
             if forward is not None
             else {}
         )
@@ -386,13 +392,14 @@ def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference(
 
     pairs = [  # (ours, off)
         (run(3.0, 2.6, 0.30, 0.10), run(2.9, 2.6, 0.20, 0.05)),
-        (run(3.2, 2.8, 0.32, 0.12), run(3.0, 2.7, 0.22, 0.07)),
+        (run(3.3, 2.8, 0.32, 0.12), run(3.0, 2.7, 0.22, 0.07)),  # 100 ms beyond the span
         (run(3.1, None, 0.0, 0.0), run(3.0, 2.7, 0.2, 0.05)),  # no timeline: left out
     ]
     split = pool.gpu_split(pairs)
     assert split == (
-        "mean over rounds of the first less the second, ms: round +150.0, GPU in forwards "
-        "+50.0, outside forwards +100.0 (nothing queued +50.0), n=2"
+        "mean over rounds of the first less the second, ms: round +200.0, GPU in forwards "
+        "+50.0, outside forwards +100.0 (nothing queued +50.0), outside the GPU's span +50.0, "
+        "n=2"
     )
     assert pool.gpu_split(pairs[2:]) is None
     assert math.isnan(pool.gpu_seconds(pairs[2][0], "forward_s"))

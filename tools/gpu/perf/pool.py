@@ -37,9 +37,12 @@ Where the runs recorded the GPU's timeline (``gpu_timeline.py``, with step timer
 of the GPU's seconds in forward passes a round ("GPU forward"), and per pair what a round's time
 difference is made of ("GPU split"): the mean over rounds of the first configuration's round
 seconds less the second's (ours/off: ours less off), of its seconds in forwards less the
-second's, of its seconds outside forwards less the second's, and of the part of those with
-nothing queued. More forward time is GPU work inside the forward (the capture); more time
-outside forwards is the GPU waiting for the engine's main thread to queue the next one.
+second's, of its seconds outside forwards less the second's, of the part of those with
+nothing queued, and of the round's time outside the GPU's span (before the first call's work,
+after the last). More forward time is GPU work inside the forward (the capture); more time
+outside forwards is the GPU waiting for the engine's main thread to queue the next one; more
+time outside the span is the frontend (the process that takes in the outputs) lagging behind
+the engine at the round's end.
 And per pair, where in the round the difference falls ("by step"): over rounds in which both
 took the same number of steps (the most common number), the median of the first
 configuration's time from one step output to the next less the second's, per step; the steps
@@ -125,10 +128,17 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     """Mean differences (ms, first less second) of the round's seconds and of its GPU
     timeline's parts over rounds with a timeline in both; None without such rounds."""
     fields = ("forward_s", "outside_forwards_s", "idle_s")
+
+    def beyond_span(run: dict[str, Any]) -> float:
+        """The round's seconds outside the GPU's span: before the first call's work and after
+        the last (the frontend taking in the last outputs, or falling behind)."""
+        return run.get("seconds", math.nan) - gpu_seconds(run, "span_s")
+
     rows = [
         [
             1000 * (first.get("seconds", math.nan) - second.get("seconds", math.nan)),
             *(1000 * (gpu_seconds(first, f) - gpu_seconds(second, f)) for f in fields),
+            1000 * (beyond_span(first) - beyond_span(second)),
         ]
         for first, second in pairs
     ]
@@ -139,7 +149,7 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     return (
         f"mean over rounds of the first less the second, ms: round {means[0]:+.1f}, GPU in "
         f"forwards {means[1]:+.1f}, outside forwards {means[2]:+.1f} (nothing queued "
-        f"{means[3]:+.1f}), n={len(rows)}"
+        f"{means[3]:+.1f}), outside the GPU's span {means[4]:+.1f}, n={len(rows)}"
     )
 
 

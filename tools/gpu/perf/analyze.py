@@ -38,13 +38,19 @@ IDLE = (
 )
 
 
+def step_durations(run: dict[str, Any]) -> list[float]:
+    """The run's step durations as the frontend saw them: from the round's start (or the
+    previous step output) to each step output."""
+    times = [t for t, _ in run["steps"]]
+    return [b - a for a, b in zip([0.0, *times], times, strict=False)]
+
+
 def step_gaps(run: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """The run's step durations as the frontend saw them, split: the short ones (decode) and
+    """:func:`step_durations`, split: the short ones (decode) and
     the long ones (those carrying prefill), above 1.5x the run's median step; in a round of
     several workloads (``--repeat``) most steps carry prefill, so there above twice the median
     of the run's shorter half (a decode step while a quarter of the steps or more decode)."""
-    times = [t for t, _ in run["steps"]]
-    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    gaps = step_durations(run)
     if not gaps:
         return [], []
     if run.get("repeat", 1) > 1:

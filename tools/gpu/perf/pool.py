@@ -52,7 +52,6 @@ that differ most are listed with the median of the rounds' whole difference.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -60,7 +59,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from analyze import step_gaps
+from analyze import step_durations, step_gaps
 from report import PAIRS, geomean_ci
 
 
@@ -161,8 +160,8 @@ def step_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list
     index means the same step); empty without two such pairs."""
 
     def gaps(run: dict[str, Any]) -> list[float]:
-        times = [0.0, *(t for t, _ in run["steps"]), run["seconds"]]
-        return [b - a for a, b in itertools.pairwise(times)]
+        after_last = run["seconds"] - (run["steps"][-1][0] if run["steps"] else 0.0)
+        return [*step_durations(run), after_last]
 
     equal = [
         (a, b)

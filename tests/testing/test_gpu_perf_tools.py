@@ -227,9 +227,16 @@ def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:
         both, ["off", "ours", "native"], ["prefill"]
     )
     both[2]["r3_digest"] = "b"
-    assert "R3 of ['native', 'ours'] DIFFER in 0 of 0" in report.summary(
-        both, ["off", "ours", "native"], ["prefill"]
+    assert "R3 of ['native', 'ours'] DIFFER in requests (against ours: native 0 of 0)" in (
+        report.summary(both, ["off", "ours", "native"], ["prefill"])
     )
+    # any pair of configurations with R3 is counted request by request, not only vLLM's own
+    three = [run("off", ""), run("ours", "a"), run("ours+process", "b"), run("native", "c")]
+    three[1]["r3_request_digests"] = ["x", "y", "z"]
+    three[2]["r3_request_digests"] = ["x", "q", "z"]
+    three[3]["r3_request_digests"] = ["p", "q", "r"]
+    shown = report.summary(three, ["off", "ours", "ours+process", "native"], ["prefill"])
+    assert "DIFFER in requests (against ours: native 3 of 3, ours+process 1 of 3)" in shown
 
 
 def test_a_counter_is_asked_for_in_user_space_only() -> None:

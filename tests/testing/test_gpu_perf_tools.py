@@ -358,6 +358,8 @@ def test_the_gpu_timeline_splits_a_round_into_forwards_and_the_time_outside() ->
     assert figures["idle_s"] == pytest.approx(0.005)
     assert figures["in_calls_s"] + figures["idle_s"] == pytest.approx(figures["span_s"])
     assert figures["in_calls_by_name_s"] == {"execute_model": 0.0805, "sample_tokens": 0.0015}
+    # the span's ends from the origin, for placing it on the host's clock
+    assert (figures["first_start_ms"], figures["last_end_ms"]) == (0.0, 87.0)
     assert figures["gaps_over_1ms"] == 1
     assert figures["longest_gaps_ms"] == [[5.0, "execute_model"]]
     assert gpu_timeline.timeline_figures([]) == {"calls": 0}
@@ -409,6 +411,21 @@ def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference(
         "n=2"
     )
     assert pool.gpu_split(pairs[2:]) is None
+
+    # anchored on the host's clock, the time outside the span splits into before and after
+    def anchored(run: dict[str, Any], started: float, origin: float, last_ms: float) -> None:
+        run["started_host_s"] = started
+        run["gpu_timeline"].update(origin_host_s=origin, first_start_ms=0.0, last_end_ms=last_ms)
+
+    anchored(pairs[0][0], 100.0, 100.05, 2900.0)  # 50 ms before, 50 after (3.0 s round)
+    anchored(pairs[0][1], 200.0, 200.02, 2800.0)  # 20 before, 80 after (2.9 s)
+    anchored(pairs[1][0], 300.0, 300.10, 3120.0)  # 100 before, 80 after (3.3 s)
+    anchored(pairs[1][1], 400.0, 400.06, 2920.0)  # 60 before, 20 after (3.0 s)
+    assert pool.gpu_split(pairs) == (
+        "mean over rounds of the first less the second, ms: round +200.0, GPU in forwards "
+        "+50.0, outside forwards +100.0 (nothing queued +50.0), outside the GPU's span +50.0 "
+        "(before its first work +35.0, after its last +15.0), n=2"
+    )
     assert math.isnan(pool.gpu_seconds(pairs[2][0], "forward_s"))
     assert pool.PARTS["GPU forward"](pairs[0][0]) == 2.6
     timeline = {

@@ -23,6 +23,7 @@ copies) is not counted.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 #: at most this many calls are kept between reads (an unread engine does not grow forever)
@@ -65,6 +66,9 @@ def timeline_figures(calls: list[tuple[str, float, float]]) -> dict[str, Any]:
         "gaps_over_1ms": len(long_gaps),
         "idle_in_gaps_over_1ms_s": sum(ms for ms, _ in long_gaps) / 1000,
         "longest_gaps_ms": [[round(ms, 3), name] for ms, name in long_gaps[:8]],
+        # where the span lies from the origin (the first event since the last read)
+        "first_start_ms": round(top[0][1], 4),
+        "last_end_ms": round(top[-1][2], 4),
     }
 
 
@@ -87,19 +91,26 @@ def gpu_timeline(worker: Any, read: bool = False) -> dict[str, Any]:
         if not calls:
             return {"calls": 0}
         torch.cuda.synchronize()
-        return timeline_figures(
+        figures = timeline_figures(
             [(name, origin.elapsed_time(a), origin.elapsed_time(b)) for name, a, b in calls]
         )
+        # the host's clock when the origin was recorded: a round's first event finds the GPU
+        # idle and completes at once, so the span's ends lie on the frontend's clock too
+        # (time.perf_counter is CLOCK_MONOTONIC, one clock for the machine's processes)
+        figures["origin_host_s"] = runner._perf_gpu_origin_host
+        return figures
     if not torch.cuda.is_available():
         return {"unavailable": "no CUDA device"}
     runner._perf_gpu_calls = []
     runner._perf_gpu_origin = None  # the first event since the last read: times count from it
+    runner._perf_gpu_origin_host = None
 
     def event() -> Any:
         made = torch.cuda.Event(enable_timing=True)
         made.record()
         if runner._perf_gpu_origin is None:
             runner._perf_gpu_origin = made
+            runner._perf_gpu_origin_host = time.perf_counter()
         return made
 
     def keep(name: str, before: Any) -> None:

@@ -42,7 +42,9 @@ nothing queued, and of the round's time outside the GPU's span (before the first
 after the last). More forward time is GPU work inside the forward (the capture); more time
 outside forwards is the GPU waiting for the engine's main thread to queue the next one; more
 time outside the span is the frontend (the process that takes in the outputs) lagging behind
-the engine at the round's end.
+the engine at the round's end, or handing the requests in later at its start: where the runs
+anchored the round and its timeline on the host's clock, that part is split into the time
+before the GPU's first work and after its last.
 And per pair, where in the round the difference falls ("by step"): over rounds in which both
 took the same number of steps (the most common number), the median of the first
 configuration's time from one step output to the next less the second's, per step; the steps
@@ -123,6 +125,25 @@ def gpu_seconds(run: dict[str, Any], field: str) -> float:
     return float(value) if isinstance(value, (int, float)) else float("nan")
 
 
+def span_ends(run: dict[str, Any]) -> tuple[float, float]:
+    """The round's seconds before the GPU's first work and after its last (the frontend
+    handing the requests in; the last outputs reaching it), from the host clock's anchors of
+    the round and of its timeline; nan where a run has no anchors."""
+    timeline = run.get("gpu_timeline") or {}
+    anchors = (
+        run.get("started_host_s"),
+        run.get("seconds"),
+        timeline.get("origin_host_s"),
+        timeline.get("first_start_ms"),
+        timeline.get("last_end_ms"),
+    )
+    values = [float(x) for x in anchors if isinstance(x, (int, float))]
+    if len(values) < len(anchors):
+        return math.nan, math.nan
+    started, seconds, origin, first_ms, last_ms = values
+    return origin + first_ms / 1000 - started, started + seconds - (origin + last_ms / 1000)
+
+
 def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     """Mean differences (ms, first less second) of the round's seconds and of its GPU
     timeline's parts over rounds with a timeline in both; None without such rounds."""
@@ -141,14 +162,27 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
         ]
         for first, second in pairs
     ]
-    rows = [row for row in rows if all(x == x for x in row)]
-    if len(rows) < 2:
+    kept = [i for i, row in enumerate(rows) if all(x == x for x in row)]
+    if len(kept) < 2:
         return None
-    means = [statistics.mean(column) for column in zip(*rows, strict=True)]
+    means = [statistics.mean(column) for column in zip(*(rows[i] for i in kept), strict=True)]
+    # the time outside the span, before the GPU's first work and after its last
+    ends = [
+        [
+            1000 * (a - b)
+            for a, b in zip(span_ends(pairs[i][0]), span_ends(pairs[i][1]), strict=True)
+        ]
+        for i in kept
+    ]
+    ends = [row for row in ends if all(x == x for x in row)]
+    apart = ""
+    if len(ends) == len(kept):
+        before, after = (statistics.mean(column) for column in zip(*ends, strict=True))
+        apart = f" (before its first work {before:+.1f}, after its last {after:+.1f})"
     return (
         f"mean over rounds of the first less the second, ms: round {means[0]:+.1f}, GPU in "
         f"forwards {means[1]:+.1f}, outside forwards {means[2]:+.1f} (nothing queued "
-        f"{means[3]:+.1f}), outside the GPU's span {means[4]:+.1f}, n={len(rows)}"
+        f"{means[3]:+.1f}), outside the GPU's span {means[4]:+.1f}{apart}, n={len(kept)}"
     )
 
 

@@ -323,6 +323,7 @@ class Worker:
             "repeat": repeat,
             "config": self.config,
             "seconds": seconds,
+            "started_host_s": started,  # time.perf_counter: the GPU timeline's span on it
             "out_tokens": out_tokens,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),

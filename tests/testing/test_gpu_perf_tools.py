@@ -239,6 +239,48 @@ def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:
     assert "DIFFER in requests (against ours: native 3 of 3, ours+process 1 of 3)" in shown
 
 
+def test_the_keys_variants_reading_is_shown_beside_its_rounds() -> None:
+    def run(config: str, keys_read: dict[str, Any] | None) -> dict[str, Any]:
+        found = {
+            "workload": "prefill",
+            "config": config,
+            "seed": 0,
+            "out_tok_s": 1.0,
+            "seconds": 1.0,
+            "steps": [[0.1, 1]],
+            "tokens_digest": "t",
+            "r3_digest": "a",
+            "r3_missing": 0,
+        }
+        if keys_read is not None:
+            found["keys_read"] = keys_read
+        return found
+
+    runs = [
+        run("off", None),
+        run("ours", None),
+        run("ours+keys", {"seconds": 0.5, "bytes": 10**9, "read": 512}),
+        run(
+            "ours+keys",
+            {
+                "seconds": 0.3,
+                "bytes": 10**9,
+                "read": 511,
+                "failed": 1,
+                "first_error": "StoreError: gone",
+            },
+        ),
+    ]
+    runs[3]["seed"] = 1
+    shown = report.summary(runs, ["off", "ours", "ours+keys"], ["prefill"])
+    assert (
+        "  ours+keys R3 read through the keys after each round (median): 0.400 s, 2.50 GB/s; "
+        "handles not read 1 (first: StoreError: gone)"
+    ) in shown
+    assert "ours R3 read" not in shown  # only where the keys were read
+    assert "R3 of ['ours', 'ours+keys'] identical" in shown  # its R3 is compared with ours'
+
+
 def test_a_counter_is_asked_for_in_user_space_only() -> None:
     """``perf_event_attr`` as the kernel reads it: hardware type, its size, the event, and
     the exclude_kernel and exclude_hv flag bits (a VM's counters often refuse the kernel)."""

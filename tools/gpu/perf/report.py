@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 #: the ratios reported, first over second ("ours+nocap" prices vLLM's capture itself)
@@ -18,6 +19,8 @@ PAIRS = (
     ("ours+process", "off"),  # --artifact-tracker process
     ("ours+process", "ours"),
     ("ours+process", "native"),
+    ("ours+keys", "off"),  # the keys handoff: handles in the round, R3 read after it
+    ("ours+keys", "ours"),
     ("ours+nocap", "ours"),
     ("ours+nocopy", "ours"),
     ("ours", "ours+pinnedviews"),
@@ -40,6 +43,7 @@ RIGHT_R3 = (
     "ours+allinline",
     "ours+copyframes",
     "ours+process",
+    "ours+keys",
 )
 
 
@@ -87,6 +91,10 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
                 ms = {n: statistics.median(t.get(n, [0, 0.0])[1] for t in timers) for n in names}
                 parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
                 lines.append(f"  {config:<7} main-thread CPU per round, ms (median): {parts}")
+        for config in configs:
+            line = keys_reading(r for r in rows if r["config"] == config)
+            if line:
+                lines.append(f"  {config:<7} {line}")
         for a, b in PAIRS:
             ratios = paired(results, workload, a, b)
             if ratios:
@@ -127,3 +135,20 @@ def differing_requests(runs: dict[str, dict[str, Any]], configs: list[str]) -> s
         differ = sum(a != b for a, b in zip(mine, theirs, strict=False))
         parts.append(f"{other} {differ} of {min(len(mine), len(theirs))}")
     return f" in requests (against {first}: " + ", ".join(parts) + ")"
+
+
+def keys_reading(runs: Iterable[dict[str, Any]]) -> str | None:
+    """The keys handles' reading after each round (``ours+keys``: a trainer's side, not in
+    the round's time): median seconds, the rate, and handles that could not be read."""
+    read = [r["keys_read"] for r in runs if isinstance(r.get("keys_read"), dict)]
+    if not read:
+        return None
+    seconds = statistics.median(k["seconds"] for k in read)
+    nbytes = statistics.median(k["bytes"] for k in read)
+    failed = sum(k.get("failed", 0) for k in read)
+    first = next((k["first_error"] for k in read if k.get("first_error")), None)
+    return (
+        f"R3 read through the keys after each round (median): {seconds:.3f} s, "
+        f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; handles not read {failed}"
+        + (f" (first: {first})" if first else "")
+    )

@@ -42,6 +42,7 @@ from engine_hooks import (
 )
 from gpu_timeline import gpu_timeline
 from hw_counters import open_counters
+from keys_read import KEYS_CAPACITY, KEYS_LEASE_S, read_keys
 from pinning import pin_tree
 from proc_stats import (
     gc_delta,
@@ -151,9 +152,11 @@ class Worker:
         # "ours+fresh", row arrays in fresh memory, not reused; "ours+background", every batch
         # published on the background thread; "ours+allinline", every batch of blocks inline;
         # "ours+process", ours with --artifact-tracker process (the tracker process);
-        # "+copyframes", the engine's ZMQ frames copied, never zero-copy (these: R3 right,
-        # report.RIGHT_R3); "+twin", nothing changed: a second engine of the same
-        # configuration in the same rounds, an A/A control of the measure itself
+        # "+copyframes", the engine's ZMQ frames copied, never zero-copy; "ours+keys", every
+        # request asks for the keys handoff (routed_experts_format="keys"), and the handles
+        # are read from the store after the round, outside its time, as a trainer on the node
+        # reads them (these: R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
+        # engine of the same configuration in the same rounds, an A/A control of the measure
         self.base, *self.variants = config.split("+")
         self.model = model
         self.root = root
@@ -174,6 +177,10 @@ class Worker:
             kwargs.update(enable_routed_experts=True, artifact_root=self.root)
             if "process" in self.variants:
                 kwargs["artifact_tracker"] = "process"
+            if "keys" in self.variants:
+                # handles are read right after their round; their objects stay pinned for
+                # the lease, a few rounds' worth at once: room for them
+                kwargs.update(artifact_keys_lease=KEYS_LEASE_S, artifact_capacity=KEYS_CAPACITY)
         started = time.perf_counter()
         self.llm = LLM(self.model, **kwargs)
         startup = time.perf_counter() - started
@@ -220,6 +227,8 @@ class Worker:
                 applied += self.llm.collective_rpc(copied_frames)
             elif variant == "process" and self.base == "ours":
                 applied.append("tracker process")
+            elif variant == "keys" and self.base == "ours":
+                applied.append("keys handoff")
             elif variant == "twin":
                 applied.append("twin: unchanged")
             else:
@@ -236,7 +245,10 @@ class Worker:
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Any:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        extra = {"routed_experts_format": "keys"} if "keys" in self.variants else None
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra
+        )
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def warm(self, scale: float, workloads: list[str]) -> dict[str, Any]:
@@ -290,6 +302,7 @@ class Worker:
         timeline = self.read_gpu_timeline()
         after = counters(self.llm)
         after_store = store_counts(self.llm) if self.base == "ours" else {}
+        keys_rows, keys_figures = read_keys(outputs) if "keys" in self.variants else ({}, {})
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         tokens = hashlib.blake2b(digest_size=8)
@@ -298,7 +311,7 @@ class Worker:
         per_request: list[str] = []  # so a difference between engines is counted, not only seen
         for o in outputs:
             tokens.update(np.asarray(o.outputs[0].token_ids, dtype=np.int64).tobytes())
-            experts = o.outputs[0].routed_experts
+            experts = keys_rows.get(id(o), o.outputs[0].routed_experts)
             if self.base != "off":
                 if not isinstance(experts, np.ndarray):
                     missing += 1
@@ -324,6 +337,7 @@ class Worker:
             "config": self.config,
             "seconds": seconds,
             "started_host_s": started,  # time.perf_counter: the GPU timeline's span on it
+            **({"keys_read": keys_figures} if keys_figures else {}),
             "out_tokens": out_tokens,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),

@@ -510,3 +510,14 @@ def test_by_step_pairs_rounds_of_the_common_step_count_and_names_the_largest_ste
         "+41.0; largest: step 2 +40.0, after the last +1.0"
     )
     assert pool.step_differences(pairs[:1]) == []
+
+
+def test_the_switch_variant_shortens_the_gil_switch_interval_and_says_from_what() -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        said = worker.short_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert said == "switch interval 5 ms -> 0.5 ms"
+    finally:
+        sys.setswitchinterval(before)

@@ -1,7 +1,7 @@
 """What the side-by-side benchmark installs in an engine core through ``collective_rpc``:
 profilers (torch.profiler, cProfile), CPU timers around the step's parts, and the experiment
 variants of ``ours`` (``ours+nocap``, ``+nocopy``, ``+pinnedviews``, ``+perlayer``, ``+fresh``,
-``+background``, ``+allinline``, and ``+copyframes`` on any configuration).
+``+background``, ``+allinline``, and ``+copyframes`` and ``+switch`` on any configuration).
 
 Each function runs in the engine core's process, on its main thread (on a one-GPU engine the
 one that schedules, launches the forward and runs the connectors). ``worker.py`` registers
@@ -257,3 +257,17 @@ def copied_frames(_: Any = None) -> str:
     for socket in sockets:
         socket.copy_threshold = 1 << 30
     return f"{len(sockets)} sockets copy frames"
+
+
+#: ``+switch``: the engine core's GIL switch interval (s); CPython's default is 5 ms
+SHORT_SWITCH_INTERVAL_S = 0.0005
+
+
+def short_switch_interval(_: Any = None) -> str:
+    """Shorten the engine core process's GIL switch interval (an experiment; R3 stays right).
+    A thread that wants the GIL waits up to the interval for a thread running Python to drop
+    it: the main thread, back from a wait on the GPU, can be held that long by the connector's
+    output-thread work (``process_output``) before it queues the next step."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SHORT_SWITCH_INTERVAL_S)
+    return f"switch interval {before * 1e3:g} ms -> {SHORT_SWITCH_INTERVAL_S * 1e3:g} ms"

@@ -30,6 +30,10 @@ PAIRS = (
     ("ours", "ours+allinline"),
     ("ours+copyframes", "ours"),
     ("off+copyframes", "off"),
+    ("ours+switch", "ours"),  # the GIL switch interval 0.5 ms in the engine core
+    ("ours+switch", "off"),
+    ("off+switch", "off"),
+    ("ours+switch", "off+switch"),
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
 RIGHT_R3 = (
@@ -44,6 +48,7 @@ RIGHT_R3 = (
     "ours+copyframes",
     "ours+process",
     "ours+keys",
+    "ours+switch",
 )
 
 

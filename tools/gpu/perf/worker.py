@@ -35,6 +35,7 @@ from engine_hooks import (
     per_layer_capture,
     pinned_views,
     python_profile,
+    short_switch_interval,
     skip_copy,
     step_timers,
     torch_profile,
@@ -155,7 +156,8 @@ class Worker:
         # "+copyframes", the engine's ZMQ frames copied, never zero-copy; "ours+keys", every
         # request asks for the keys handoff (routed_experts_format="keys"), and the handles
         # are read from the store after the round, outside its time, as a trainer on the node
-        # reads them (these: R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
+        # reads them; "+switch", the engine core's GIL switch interval 0.5 ms, not 5 (these:
+        # R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
         # engine of the same configuration in the same rounds, an A/A control of the measure
         self.base, *self.variants = config.split("+")
         self.model = model
@@ -225,6 +227,8 @@ class Worker:
                 applied += self.llm.collective_rpc(all_inline)
             elif variant == "copyframes":
                 applied += self.llm.collective_rpc(copied_frames)
+            elif variant == "switch":
+                applied += self.llm.collective_rpc(short_switch_interval)
             elif variant == "process" and self.base == "ours":
                 applied.append("tracker process")
             elif variant == "keys" and self.base == "ours":

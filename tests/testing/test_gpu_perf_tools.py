@@ -239,6 +239,19 @@ def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:
     assert "DIFFER in requests (against ours: native 3 of 3, ours+process 1 of 3)" in shown
 
 
+def test_the_timed_parts_waits_are_their_wall_time_less_their_cpu() -> None:
+    rounds = [
+        {"worker_connector.begin_step": [55, 0.090, 0.130], "scheduler.schedule": [55, 0.2, 0.2]},
+        {"worker_connector.begin_step": [55, 0.100, 0.160], "scheduler.schedule": [55, 0.2, 0.21]},
+        {"worker_connector.begin_step": [55, 0.110, 0.160], "scheduler.schedule": [55, 0.2, 0.2]},
+    ]
+    assert report.timed_waits(rounds) == (
+        "waiting inside the timed parts per round, ms (median, wall less CPU): "
+        "scheduler.schedule 0.0, worker_connector.begin_step 50.0"
+    )
+    assert report.timed_waits([{"scheduler.schedule": [55, 0.2]}]) is None  # CPU only: older
+
+
 def test_the_keys_variants_reading_is_shown_beside_its_rounds() -> None:
     def run(config: str, keys_read: dict[str, Any] | None) -> dict[str, Any]:
         found = {
@@ -521,3 +534,28 @@ def test_the_switch_variant_shortens_the_gil_switch_interval_and_says_from_what(
         assert said == "switch interval 5 ms -> 0.5 ms"
     finally:
         sys.setswitchinterval(before)
+
+
+def test_an_allocator_variant_starts_its_processes_with_the_recommended_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import driver
+
+    # the settings docs/configuration.md recommends, and only for the variants' processes
+    assert driver.ALLOCATOR_VARIANTS["thp"] == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert driver.ALLOCATOR_VARIANTS["keep"] == {
+        "MALLOC_MMAP_THRESHOLD_": "33554432",
+        "MALLOC_TRIM_THRESHOLD_": "1073741824",
+    }
+    for name in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    thp = driver.engine_env("ours+thp", "none")
+    assert thp["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and "VLLM_PLUGINS" not in thp
+    keep = driver.engine_env("off+keep", "none")
+    assert keep["MALLOC_TRIM_THRESHOLD_"] == "1073741824" and keep["VLLM_PLUGINS"] == "none"
+    assert "GLIBC_TUNABLES" not in driver.engine_env("ours", "none")  # others: as started
+    assert worker.allocator_setting().startswith("allocator: glibc defaults; glibc ")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    said = worker.allocator_setting()
+    assert said.startswith("allocator: GLIBC_TUNABLES=glibc.malloc.hugetlb=1; glibc ")
+    assert "transparent huge pages " in said

@@ -53,7 +53,26 @@ from pinning import split_cores
 from report import summary
 
 HERE = Path(__file__).resolve().parent
+#: environment of a configuration's processes (the frontend and its engine) per variant
+ALLOCATOR_VARIANTS = {
+    "thp": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "keep": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"},
+}
 TAG = "@@perf "
+
+
+def engine_env(config: str, plugins_without_ours: str) -> dict[str, str]:
+    """The environment a configuration's worker process (its frontend and engine) starts
+    with."""
+    env = dict(os.environ)
+    if config.partition("+")[0] != "ours":  # our plugin stays out of off and native
+        env["VLLM_PLUGINS"] = plugins_without_ours
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # store counters through collective_rpc
+    # +thp, +keep: the allocator settings docs/configuration.md recommends for a process that
+    # takes in large R3 arrays; glibc reads them at start, so they go in here
+    for variant in config.split("+")[1:]:
+        env.update(ALLOCATOR_VARIANTS.get(variant, {}))
+    return env
 
 
 class Engine:
@@ -70,10 +89,7 @@ class Engine:
         cpus: set[int] | None = None,
         timers: bool = False,
     ):
-        env = dict(os.environ)
-        if config.partition("+")[0] != "ours":  # our plugin stays out of off and native
-            env["VLLM_PLUGINS"] = plugins_without_ours
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # store counters through collective_rpc
+        env = engine_env(config, plugins_without_ours)
         self.config = config
         self.log: IO[str] = log.open("w")
         self.proc = subprocess.Popen(

@@ -80,8 +80,10 @@ def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
     connector's per-request ``take_output`` runs inside the latter), the R3 connectors'
     per-step methods on both sides and vLLM's per-layer capture (R3 configurations; eager
     steps only, a CUDA graph replays it without Python). A few microseconds a step.
-    Name -> [calls, CPU seconds]. Runs where collective_rpc runs: on a one-GPU engine the
-    engine core's process, where the scheduler lives too."""
+    Name -> [calls, CPU seconds, wall seconds]: wall less CPU is the time the calls waited
+    (for the GIL, for the connector's lock while another thread holds it, for the tracker
+    process). Runs where collective_rpc runs: on a one-GPU engine the engine core's process,
+    where the scheduler lives too."""
     import functools
 
     import vllm.v1.core.sched.scheduler as scheduler_module
@@ -91,24 +93,25 @@ def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
         if read:
             found = {name: list(entry) for name, entry in totals.items()}
             for entry in totals.values():
-                entry[0], entry[1] = 0, 0.0
+                entry[0], entry[1], entry[2] = 0, 0.0, 0.0
             return found
         return {}
     totals = {}
     scheduler_module._perf_step_timers = totals  # type: ignore[attr-defined]
 
     def timed(name: str, original: Any) -> Any:
-        entry = totals.setdefault(name, [0, 0.0])
-        clock = time.thread_time
+        entry = totals.setdefault(name, [0, 0.0, 0.0])
+        clock, wall = time.thread_time, time.perf_counter
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = clock()
+            started, started_wall = clock(), wall()
             try:
                 return original(*args, **kwargs)
             finally:
                 entry[0] += 1
                 entry[1] += clock() - started
+                entry[2] += wall() - started_wall
 
         return wrapper
 

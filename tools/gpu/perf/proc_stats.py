@@ -107,3 +107,19 @@ def python_thread_names() -> dict[int, str]:
     import threading
 
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def allocator_setting() -> str:
+    """The allocator environment this process started with, glibc's version and the
+    kernel's transparent huge pages mode (``hugetlb=1`` needs glibc 2.35 and ``madvise`` or
+    ``always``)."""
+    import platform
+
+    names = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    env = " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "glibc defaults"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError as error:
+        thp = f"unknown ({error.strerror})"
+    return f"allocator: {env}; glibc {platform.libc_ver()[1]}; transparent huge pages {thp}"

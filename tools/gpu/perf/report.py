@@ -34,6 +34,12 @@ PAIRS = (
     ("ours+switch", "off"),
     ("off+switch", "off"),
     ("ours+switch", "off+switch"),
+    ("ours+thp", "ours"),  # the allocator settings docs/configuration.md recommends
+    ("off+thp", "off"),
+    ("ours+thp", "off+thp"),
+    ("ours+keep", "ours"),
+    ("off+keep", "off"),
+    ("ours+keep", "off+keep"),
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
 RIGHT_R3 = (
@@ -49,6 +55,8 @@ RIGHT_R3 = (
     "ours+process",
     "ours+keys",
     "ours+switch",
+    "ours+thp",
+    "ours+keep",
 )
 
 
@@ -96,6 +104,9 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
                 ms = {n: statistics.median(t.get(n, [0, 0.0])[1] for t in timers) for n in names}
                 parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
                 lines.append(f"  {config:<7} main-thread CPU per round, ms (median): {parts}")
+            waits = timed_waits(timers)
+            if waits:
+                lines.append(f"  {config:<7} {waits}")
         for config in configs:
             line = keys_reading(r for r in rows if r["config"] == config)
             if line:
@@ -157,3 +168,20 @@ def keys_reading(runs: Iterable[dict[str, Any]]) -> str | None:
         f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; handles not read {failed}"
         + (f" (first: {first})" if first else "")
     )
+
+
+def timed_waits(timers: list[dict[str, list[float]]]) -> str | None:
+    """The time the timed parts waited a round (wall less CPU: for the GIL, the connector's
+    lock, the tracker process), medians over rounds in ms; None where the rounds recorded no
+    wall time (before the timers kept it)."""
+    names = sorted({n for t in timers for n, entry in t.items() if len(entry) > 2})
+    if not names:
+        return None
+    ms = {
+        n: statistics.median(
+            max(0.0, t[n][2] - t[n][1]) if len(t.get(n, ())) > 2 else 0.0 for t in timers
+        )
+        for n in names
+    }
+    parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
+    return f"waiting inside the timed parts per round, ms (median, wall less CPU): {parts}"

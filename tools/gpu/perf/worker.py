@@ -46,6 +46,7 @@ from hw_counters import open_counters
 from keys_read import KEYS_CAPACITY, KEYS_LEASE_S, read_keys
 from pinning import pin_tree
 from proc_stats import (
+    allocator_setting,
     gc_delta,
     gc_totals,
     process_counters,
@@ -156,7 +157,8 @@ class Worker:
         # "+copyframes", the engine's ZMQ frames copied, never zero-copy; "ours+keys", every
         # request asks for the keys handoff (routed_experts_format="keys"), and the handles
         # are read from the store after the round, outside its time, as a trainer on the node
-        # reads them; "+switch", the engine core's GIL switch interval 0.5 ms, not 5 (these:
+        # reads them; "+switch", the engine core's GIL switch interval 0.5 ms, not 5; "+thp"
+        # and "+keep", the allocator settings docs/configuration.md recommends (these:
         # R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
         # engine of the same configuration in the same rounds, an A/A control of the measure
         self.base, *self.variants = config.split("+")
@@ -233,6 +235,8 @@ class Worker:
                 applied.append("tracker process")
             elif variant == "keys" and self.base == "ours":
                 applied.append("keys handoff")
+            elif variant in ("thp", "keep"):  # set by the driver at the process's start
+                applied.append(allocator_setting())
             elif variant == "twin":
                 applied.append("twin: unchanged")
             else:

@@ -384,3 +384,49 @@ def test_after_a_contradiction_the_next_step_waits_for_the_process_even_if_stead
     assert getattr(after.entries.get("a"), "reason", None) == "internal"
     assert after.decode_ids == ["b"]
     np.testing.assert_array_equal(after.decode_rows, rows_of(1, 74))
+
+
+def test_the_step_thread_is_not_held_up_while_an_answer_is_waited_for(
+    process: TrackerProcess,
+) -> None:
+    """MRV2's output thread waits in ``process_output`` for the process's answer; meanwhile
+    the step thread's ``begin_step`` (inside ``execute_model``, before the forward is queued)
+    takes the connector's lock to send the next step's facts. The wait must not hold it."""
+    import threading
+    import time
+
+    from vllm_artifact.integration.worker_connector import ArtifactWorkerConnector
+
+    worker = object.__new__(ArtifactWorkerConnector)
+    worker._lock = threading.Lock()
+    worker._process = process
+    worker._tracker = None
+    worker._keys_context = None
+    process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0, admitted={"a": 0}))
+    process.step_started(["a"])
+    step = Step(0, ["a"], rows_of(MAX_ROWS, 50), 0)
+    process.queue_step(step)
+    pid = process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # the answer is late
+    answers: list[Any] = []
+    waiting = threading.Thread(target=lambda: answers.append(worker.process_output(step)))
+    try:
+        waiting.start()
+        time.sleep(0.3)  # the output thread is waiting for the answer by now
+        assert waiting.is_alive() and not answers
+        took = worker._lock.acquire(timeout=2.0)  # what begin_step does first
+        assert took, "the wait for the answer held the connector's lock"
+        try:
+            process.begin(StepFacts(weight_version=DEFAULT_WEIGHT_VERSION, generation=0))
+        finally:
+            worker._lock.release()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    waiting.join(30.0)
+    assert not waiting.is_alive()
+    (answer,) = answers
+    entry = answer.entries["a"]
+    assert isinstance(entry, EmittedRows) and entry.token_start == 0
+    np.testing.assert_array_equal(entry.rows, rows_of(MAX_ROWS, 50))
+    process.flush(10.0)

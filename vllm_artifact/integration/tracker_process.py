@@ -331,6 +331,30 @@ class TrackerProcess:
             self._take_ready_answers()  # check the engine's earlier answers, without waiting
         return self._with_late_failures(answer)
 
+    def answer_at_hand(self, step: CopiedStep) -> bool:
+        """Whether :meth:`step_result` can give ``step``'s answer without waiting: the step
+        is sent first if it was not yet (with every older step), then the answers already
+        there are taken. True too where none can come (the process gone)."""
+        if any(queued is step for queued in self._unsent):
+            self.send_copied(until=step)
+        if step.seq in self._local_answers or step.seq in self._answers:
+            return True
+        self._take_ready_answers()
+        return step.seq in self._answers or step.seq not in self._slot_of or self._conn is None
+
+    def wait_for_answers(self, timeout: float) -> bool:
+        """Wait until an answer can be read, or ``timeout``: False then. It only asks the
+        connection whether it is readable, which the step thread's sends do not touch, so the
+        caller holds no lock meanwhile. A connection found closed counts as readable
+        (:meth:`step_result` then tells the step's requests)."""
+        conn = self._conn
+        if conn is None:
+            return True
+        try:
+            return bool(conn.poll(timeout))
+        except (OSError, ValueError, EOFError):  # closed meanwhile (shutdown), or gone
+            return True
+
     def _with_late_failures(self, answer: StepResult) -> StepResult:
         """``answer`` with the failures of requests whose earlier step the engine answered
         and the process's answer then disagreed (``core/local_decode.py``)."""

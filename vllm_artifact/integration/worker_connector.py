@@ -51,7 +51,7 @@ from vllm_artifact.integration.engine_store import (
 )
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
 from vllm_artifact.integration.output_side import OutputSetup, open_output_side
-from vllm_artifact.integration.tracker_process import TrackerProcess
+from vllm_artifact.integration.tracker_process import ANSWER_TIMEOUT_S, TrackerProcess
 from vllm_artifact.integration.tracker_service import TrackerCounters
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
@@ -402,8 +402,7 @@ class ArtifactWorkerConnector:
 
     def _process_output(self, pending: PendingArtifactStep) -> StepResult:
         if self._process is not None:
-            with self._lock:
-                result = self._process.step_result(pending)
+            result = self._answer_from_process(pending)
         else:
             if pending.error is not None:
                 raise pending.error
@@ -421,6 +420,21 @@ class ArtifactWorkerConnector:
         if self._keys_context is not None:
             result.keys_context, self._keys_context = self._keys_context, None
         return result
+
+    def _answer_from_process(self, pending: PendingArtifactStep) -> StepResult:
+        """The tracker process's answer for ``pending``, waited for without the connector's
+        lock: meanwhile the step thread's ``begin_step`` sends the next step's facts (inside
+        ``execute_model``, before the forward is queued) instead of waiting for this answer."""
+        while True:
+            with self._lock:
+                process = self._process
+                if process is None:
+                    raise InternalError("the R3 tracker process was closed")
+                if process.answer_at_hand(pending):
+                    return process.step_result(pending)
+            if not process.wait_for_answers(ANSWER_TIMEOUT_S):
+                with self._lock:  # nothing came: step_result waits once more and judges
+                    return process.step_result(pending)
 
     def close(self) -> None:
         with self._lock:

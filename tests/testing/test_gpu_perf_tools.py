@@ -206,19 +206,23 @@ def test_the_driver_offers_prefill_graphs_on_its_command_line() -> None:
     assert "--prefill-graphs" in shown and "--split-cpus" in shown
 
 
+def timed_round(config: str, r3: str) -> dict[str, Any]:
+    """A prefill round's record as the driver keeps it, one second long."""
+    return {
+        "workload": "prefill",
+        "config": config,
+        "seed": 0,
+        "out_tok_s": 1.0,
+        "seconds": 1.0,
+        "steps": [[0.1, 1]],
+        "tokens_digest": "t",
+        "r3_digest": r3,
+        "r3_missing": 0,
+    }
+
+
 def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:
-    def run(config: str, r3: str) -> dict[str, object]:
-        return {
-            "workload": "prefill",
-            "config": config,
-            "seed": 0,
-            "out_tok_s": 1.0,
-            "seconds": 1.0,
-            "steps": [[0.1, 1]],
-            "tokens_digest": "t",
-            "r3_digest": r3,
-            "r3_missing": 0,
-        }
+    run = timed_round
 
     alone = report.summary([run("off", ""), run("ours", "a")], ["off", "ours"], ["prefill"])
     assert "R3 of ['ours'] not compared (one configuration with R3)" in alone
@@ -254,17 +258,7 @@ def test_the_timed_parts_waits_are_their_wall_time_less_their_cpu() -> None:
 
 def test_the_keys_variants_reading_is_shown_beside_its_rounds() -> None:
     def run(config: str, keys_read: dict[str, Any] | None) -> dict[str, Any]:
-        found = {
-            "workload": "prefill",
-            "config": config,
-            "seed": 0,
-            "out_tok_s": 1.0,
-            "seconds": 1.0,
-            "steps": [[0.1, 1]],
-            "tokens_digest": "t",
-            "r3_digest": "a",
-            "r3_missing": 0,
-        }
+        found = timed_round(config, "a")
         if keys_read is not None:
             found["keys_read"] = keys_read
         return found

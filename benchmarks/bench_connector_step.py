@@ -354,7 +354,9 @@ class Config:
         batch = [requests[request_id] for request_id in scheduled]
         counts = list(scheduled.values())
         n = len(batch)
-        scheduler_output = SimpleNamespace(num_scheduled_tokens=scheduled)
+        scheduler_output = SimpleNamespace(
+            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(counts)
+        )
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         input_batch = SimpleNamespace(
@@ -492,6 +494,7 @@ def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callabl
     worker._lock = threading.Lock()
     worker._step_active = False
     worker._steps_started = 0
+    worker._facts_due = []
     worker._store = worker._publisher = worker._tracker = worker._engine_store = None
     worker._process = TrackerProcess(setup, max_rows=PREFILL_TOKEN_BUDGET + CONCURRENCY)
     worker._layout = LAYOUT
@@ -580,6 +583,7 @@ def ours(
     worker._step_active = False
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
     worker._process, worker._steps_started = None, 0
+    worker._facts_due = []
     worker._engine_store = None  # the store is closed with the worker (close below)
     worker._layout = LAYOUT
     worker._keys_context = None

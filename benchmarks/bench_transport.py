@@ -106,7 +106,9 @@ def _round(
     steps: int,
 ) -> dict[str, float]:
     ids = list(requests)
-    scheduled = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1))
+    scheduled = SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(ids, 1), total_num_scheduled_tokens=len(ids)
+    )
     connector.build_connector_meta(scheduled, requests)  # type: ignore[arg-type]
     encoder = MsgpackEncoder()
     rng = np.random.default_rng(0)

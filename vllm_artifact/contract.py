@@ -126,6 +126,10 @@ class ArtifactStepFields:
     #: Keys-only requests answered with a handle since the last step: rank zero leases the
     #: objects the handle names (``--artifact-keys-lease``).
     leases: list[str] = field(default_factory=list)
+    #: Whether the step runs a forward pass (vLLM runs none for a step without scheduled
+    #: tokens, and then never prepares its output): rank zero applies the step's facts once
+    #: the forward is queued, or at once for a step without one.
+    runs_forward: bool = True
 
 
 # ------------------------------------------------------------------ worker -> scheduler

@@ -147,6 +147,7 @@ def test_batching_applies_only_without_data_or_expert_parallelism_or_eplb() -> N
 def test_a_refused_snapshot_fails_the_steps_requests_and_the_engine_goes_on() -> None:
     connector = object.__new__(ArtifactWorkerConnector)
     connector._process, connector._steps_started = None, 0
+    connector._facts_due = []
     connector._lock = threading.Lock()
     connector._capturer = batched()
     connector._tracker = SimpleNamespace(step_started=lambda ids: None)  # type: ignore[assignment]

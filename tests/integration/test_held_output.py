@@ -37,7 +37,9 @@ def fake_request(request_id: str, *, stop: list[str] | None = None, **extra: Any
 
 
 def schedule(connector: ArtifactSchedulerConnector, requests: dict[str, Any]) -> None:
-    output = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(requests, 1))
+    output = SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(requests, 1), total_num_scheduled_tokens=len(requests)
+    )
     connector.build_connector_meta(output, requests)  # type: ignore[arg-type]
 
 

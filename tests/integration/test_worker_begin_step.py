@@ -9,10 +9,12 @@ import secrets
 import shutil
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_artifact.contract import TailBlock
 from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION, full_block_keys, tail_block_key
@@ -30,10 +32,24 @@ BS = LAYOUT.block_size
 
 
 class StepStarts:
-    """Stands in for the capturer: the connector only tells it that a step starts."""
+    """Stands in for the capturer: the connector tells it that a step starts and takes an
+    (empty) snapshot of a step without tokens."""
 
     def step_started(self) -> None:
         pass
+
+    def snapshot_routing_data(self, num_tokens: int) -> torch.Tensor:
+        return torch.zeros((num_tokens, *LAYOUT.row_shape), dtype=torch.uint8)
+
+
+def batch_of(*request_ids: str) -> SimpleNamespace:
+    """MRV2's input batch of a step, as ``prepare_output`` reads it (one token each)."""
+    n = len(request_ids)
+    return SimpleNamespace(
+        req_ids=list(request_ids),
+        query_start_loc_np=np.arange(n + 1),
+        num_computed_tokens_np=np.zeros(n, dtype=np.int64),
+    )
 
 
 @pytest.fixture
@@ -49,6 +65,7 @@ def worker() -> Iterator[tuple[ArtifactWorkerConnector, RequestTracker, Publishe
     )
     connector = object.__new__(ArtifactWorkerConnector)
     connector._process, connector._steps_started = None, 0
+    connector._facts_due = []
     connector._capturer = StepStarts()  # type: ignore[assignment]
     connector._lock = threading.Lock()
     connector._generation = 0
@@ -96,6 +113,7 @@ def test_a_step_start_hands_its_blocks_unpins_and_tails_to_the_publisher_at_once
             0, {"a": 0, "b": 0}, {"a": a_hashes}, (), weight_version=DEFAULT_WEIGHT_VERSION
         )
     )
+    connector.prepare_output(batch_of())  # the step's forward is queued: its facts apply
     one_request_step(tracker, "a", a_rows)
     one_request_step(tracker, "b", b_rows)  # b's blocks wait for their hashes
     publisher.flush()
@@ -116,6 +134,8 @@ def test_a_step_start_hands_its_blocks_unpins_and_tails_to_the_publisher_at_once
             kv_evicted=[eviction_id(a_hashes[0])],
         )
     )
+    assert not submitted  # not before the step's forward is queued
+    connector.prepare_output(batch_of())
     assert len(submitted) == 1 and publisher.thread_batches == to_thread + 1
     publisher.flush()
     namespace = tracker.namespace
@@ -123,3 +143,36 @@ def test_a_step_start_hands_its_blocks_unpins_and_tails_to_the_publisher_at_once
     assert store.exists(full_block_keys(namespace, b_hashes)) == [True, True]
     (tail,) = store.get([tail_block_key(namespace, tail_hash, 3)])
     np.testing.assert_array_equal(tail, a_rows[2 * BS :])
+
+
+def test_a_steps_facts_wait_for_its_forward_and_a_step_without_one_applies_them_in_order(
+    worker: tuple[ArtifactWorkerConnector, RequestTracker, Publisher, ShmStore],
+) -> None:
+    """begin_step runs before the step's forward is queued: the engine's tracker gets the
+    facts in prepare_output, after it. A step without a forward (no tokens scheduled) never
+    prepares an output, so it applies them at once, the earlier steps' first."""
+    connector, tracker, _, _ = worker
+    requests = tracker._requests
+
+    def step(admitted: dict[str, int], finished: tuple[str, ...], forward: bool) -> None:
+        connector.begin_step(
+            ArtifactStepMetadata(
+                0,
+                admitted,
+                {},
+                finished,
+                weight_version=DEFAULT_WEIGHT_VERSION,
+                runs_forward=forward,
+            )
+        )
+
+    step({"b": 0}, (), forward=True)
+    assert "b" not in requests  # not yet: the forward is queued first
+    connector.prepare_output(batch_of("b"))
+    assert "b" in requests and tracker._in_flight("b")  # admitted before its step started
+    step({"a": 0}, (), forward=True)
+    assert "a" not in requests
+    step({}, ("a",), forward=False)  # finished in a step without a forward: applied now
+    assert "a" not in requests  # admitted, then finished: in that order
+    step({"c": 0}, (), forward=False)
+    assert "c" in requests

@@ -33,6 +33,7 @@ def connector_and_step(pinned: bool) -> tuple[RecordingTracker, PendingArtifactS
     step whose host copy is marked pinned as a GPU copy's is (this machine has no GPU)."""
     connector = object.__new__(ArtifactWorkerConnector)
     connector._process, connector._steps_started = None, 0
+    connector._facts_due = []
     tracker = RecordingTracker()
     connector._lock = threading.Lock()
     connector._tracker = tracker  # type: ignore[assignment]

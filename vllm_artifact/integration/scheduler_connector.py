@@ -262,6 +262,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             kv_evicted=evicted,
             kv_cleared=cleared,
             leases=leases,
+            runs_forward=scheduler_output.total_num_scheduled_tokens > 0,
         )
 
     def _pack(self, block_hashes: Any, num_sent: int) -> PackedBlockHashes:

@@ -199,6 +199,7 @@ class ArtifactWorkerConnector:
         self._vllm_config = vllm_config
         self._lock = threading.Lock()  # MRV2's output thread and the step thread both call in
         self._generation = 0
+        self._facts_due: list[StepFacts] = []  # begun steps' facts, applied in prepare_output
         self._step_active = False
         self._output_ready = False
         self._engine_store: EngineStore | None = None
@@ -328,12 +329,19 @@ class ArtifactWorkerConnector:
             with self._lock:
                 self._process.flush(timeout)
         elif self._publisher is not None:
+            with self._lock:
+                self._apply_due_facts()
             self._publisher.flush(timeout=timeout)
 
     # ------------------------------------------------------------ step hooks
 
     def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
-        """Apply the scheduler's request, block-hash and finish updates for this step."""
+        """Take the scheduler's request, block-hash and finish updates for this step. It runs
+        before the step's forward is queued, which waits for it: the tracker process gets them
+        at once (a message); the engine's own tracker applies them in :meth:`prepare_output`,
+        once the forward is queued (at once for a step without a forward, which prepares no
+        output). The tracker takes a step's facts and the last step's output in either order:
+        MRV2's output thread processes that output while this thread starts the step."""
         self._step_active = metadata is not None
         self._capturer.step_started()
         tracker, process = self._tracker, self._process
@@ -345,14 +353,27 @@ class ArtifactWorkerConnector:
                 "(the scheduler is not ours: see --enable-routed-experts)"
             )
         facts = step_facts(metadata)
-        with self._lock:
-            if process is not None:
+        if process is not None:
+            with self._lock:
                 # The last step first, if its rows have landed: the process works on it while
                 # this thread launches this step.
                 process.send_copied()
                 process.begin(facts)
-                return
-            if tracker is not None and apply_step_facts(tracker, facts, self._generation):
+            return
+        self._facts_due.append(facts)
+        if not metadata.runs_forward:
+            with self._lock:
+                self._apply_due_facts()
+
+    def _apply_due_facts(self) -> None:
+        """Apply the begun steps' facts to the engine's tracker, in order (the caller holds
+        the lock)."""
+        tracker, due = self._tracker, self._facts_due
+        if tracker is None or not due:
+            return
+        self._facts_due = []
+        for facts in due:
+            if apply_step_facts(tracker, facts, self._generation):
                 logger.info("vllm-artifact: weight version now %r", facts.weight_version)
                 if self._store is not None:
                     record_weight_version(self._store, facts.weight_version)
@@ -387,6 +408,7 @@ class ArtifactWorkerConnector:
                 self._process.step_started(request_ids)
                 self._process.queue_step(pending)
             elif self._tracker is not None:
+                self._apply_due_facts()  # this step's and any before it, now the forward is queued
                 self._tracker.step_started(request_ids)
         return pending
 

@@ -553,3 +553,26 @@ def test_an_allocator_variant_starts_its_processes_with_the_recommended_setting(
     said = worker.allocator_setting()
     assert said.startswith("allocator: GLIBC_TUNABLES=glibc.malloc.hugetlb=1; glibc ")
     assert "transparent huge pages " in said
+
+
+def test_the_early_facts_variant_marks_each_step_as_one_without_a_forward() -> None:
+    from types import SimpleNamespace
+
+    import engine_hooks
+
+    seen: list[bool | None] = []
+
+    class Connector:
+        _tracker = object()
+
+        def begin_step(self, metadata: Any) -> None:
+            seen.append(None if metadata is None else metadata.runs_forward)
+
+    connector = Connector()
+    worker_ = SimpleNamespace(model_runner=SimpleNamespace(aux_output_connector=connector))
+    assert engine_hooks.early_facts(worker_).startswith("a step's facts applied in begin_step")
+    connector.begin_step(SimpleNamespace(runs_forward=True))
+    connector.begin_step(None)  # a step without metadata goes through as it is
+    assert seen == [False, None]
+    Connector._tracker = None  # type: ignore[assignment]
+    assert engine_hooks.early_facts(worker_) == "no in-engine tracker on this rank"

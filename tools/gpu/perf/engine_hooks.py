@@ -1,7 +1,8 @@
 """What the side-by-side benchmark installs in an engine core through ``collective_rpc``:
 profilers (torch.profiler, cProfile), CPU timers around the step's parts, and the experiment
 variants of ``ours`` (``ours+nocap``, ``+nocopy``, ``+pinnedviews``, ``+perlayer``, ``+fresh``,
-``+background``, ``+allinline``, and ``+copyframes`` and ``+switch`` on any configuration).
+``+background``, ``+allinline``, ``+earlyfacts``, and ``+copyframes`` and ``+switch`` on any
+configuration).
 
 Each function runs in the engine core's process, on its main thread (on a one-GPU engine the
 one that schedules, launches the forward and runs the connectors). ``worker.py`` registers
@@ -274,3 +275,22 @@ def short_switch_interval(_: Any = None) -> str:
     before = sys.getswitchinterval()
     sys.setswitchinterval(SHORT_SWITCH_INTERVAL_S)
     return f"switch interval {before * 1e3:g} ms -> {SHORT_SWITCH_INTERVAL_S * 1e3:g} ms"
+
+
+def early_facts(worker: Any) -> str:
+    """Apply each step's scheduler facts in ``begin_step``, before the step's forward is
+    queued, as the connector did before it moved them to ``prepare_output`` (an experiment;
+    R3 stays right): every step is marked as one without a forward, which applies them at
+    once. ``begin_step`` stays the class's (timed) method."""
+    connector = worker.model_runner.aux_output_connector
+    if connector is None or getattr(connector, "_tracker", None) is None:
+        return "no in-engine tracker on this rank"
+    begin = type(connector).begin_step
+
+    def begin_step(metadata: Any) -> Any:
+        if metadata is not None and hasattr(metadata, "runs_forward"):
+            metadata.runs_forward = False
+        return begin(connector, metadata)
+
+    connector.begin_step = begin_step
+    return "a step's facts applied in begin_step, before its forward is queued"

@@ -40,6 +40,7 @@ PAIRS = (
     ("ours+keep", "ours"),
     ("off+keep", "off"),
     ("ours+keep", "off+keep"),
+    ("ours", "ours+earlyfacts"),  # a step's facts after its forward is queued, or before
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
 RIGHT_R3 = (
@@ -57,6 +58,7 @@ RIGHT_R3 = (
     "ours+switch",
     "ours+thp",
     "ours+keep",
+    "ours+earlyfacts",
 )
 
 

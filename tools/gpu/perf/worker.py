@@ -31,6 +31,7 @@ from engine_hooks import (
     all_inline,
     background_publisher,
     copied_frames,
+    early_facts,
     fresh_arrays,
     per_layer_capture,
     pinned_views,
@@ -158,7 +159,8 @@ class Worker:
         # request asks for the keys handoff (routed_experts_format="keys"), and the handles
         # are read from the store after the round, outside its time, as a trainer on the node
         # reads them; "+switch", the engine core's GIL switch interval 0.5 ms, not 5; "+thp"
-        # and "+keep", the allocator settings docs/configuration.md recommends (these:
+        # and "+keep", the allocator settings docs/configuration.md recommends;
+        # "ours+earlyfacts", a step's facts applied before its forward is queued (these:
         # R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
         # engine of the same configuration in the same rounds, an A/A control of the measure
         self.base, *self.variants = config.split("+")
@@ -233,6 +235,8 @@ class Worker:
                 applied += self.llm.collective_rpc(short_switch_interval)
             elif variant == "process" and self.base == "ours":
                 applied.append("tracker process")
+            elif variant == "earlyfacts" and self.base == "ours":
+                applied += self.llm.collective_rpc(early_facts)
             elif variant == "keys" and self.base == "ours":
                 applied.append("keys handoff")
             elif variant in ("thp", "keep"):  # set by the driver at the process's start

@@ -409,6 +409,7 @@ def test_the_gpu_timeline_splits_a_round_into_forwards_and_the_time_outside() ->
     assert figures["in_calls_by_name_s"] == {"execute_model": 0.0805, "sample_tokens": 0.0015}
     # the span's ends from the origin, for placing it on the host's clock
     assert (figures["first_start_ms"], figures["last_end_ms"]) == (0.0, 87.0)
+    assert figures["between_forwards_ms"] == [10.0]  # the second forward began at 49 ms
     assert figures["gaps_over_1ms"] == 1
     assert figures["longest_gaps_ms"] == [[5.0, "execute_model"]]
     assert gpu_timeline.timeline_figures([]) == {"calls": 0}
@@ -576,3 +577,23 @@ def test_the_early_facts_variant_marks_each_step_as_one_without_a_forward() -> N
     assert seen == [False, None]
     Connector._tracker = None  # type: ignore[assignment]
     assert engine_hooks.early_facts(worker_) == "no in-engine tracker on this rank"
+
+
+def test_where_the_gpu_waited_more_between_forwards_is_named_by_forward() -> None:
+    def run(gaps: list[float]) -> dict[str, Any]:
+        return {"seconds": 1.0, "gpu_timeline": {"between_forwards_ms": gaps}}
+
+    pairs = [  # (ours, off): ours waits 3 ms more before the third forward
+        (run([1.0, 5.0, 1.0]), run([1.0, 2.0, 1.0])),
+        (run([1.5, 4.0, 1.0]), run([1.0, 1.0, 1.0])),
+        (run([1.0, 6.0, 2.0]), run([1.0, 3.0, 1.0])),
+        (run([1.0, 1.0]), run([1.0, 1.0])),  # another forward count: left out
+    ]
+    differences = pool.forward_gap_differences(pairs)
+    assert differences == [0.0, 3.0, 0.0, 3.5, 3]
+    assert pool.gpu_by_step(differences, top=2) == (
+        "the GPU's time between forwards, medians over 3 rounds of one forward count, ms: "
+        "summed +3.5; largest: before forward 3 +3.00, before forward 2 +0.00"
+    )
+    assert pool.forward_gap_differences(pairs[:1]) == []  # one round says nothing
+    assert pool.forward_gap_differences([({}, {})]) == []  # no timelines

@@ -22,6 +22,7 @@ copies) is not counted.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Any
@@ -41,6 +42,7 @@ def timeline_figures(calls: list[tuple[str, float, float]]) -> dict[str, Any]:
     rounding makes it so); outside forwards: the span less the forwards' time."""
     top = [call for call in calls if call[0] != "forward"]
     forwards = [end - start for name, start, end in calls if name == "forward"]
+    spans = sorted((start, end) for name, start, end in calls if name == "forward")
     if not top:
         return {"calls": 0}
     in_calls: dict[str, list[float]] = {}
@@ -69,6 +71,11 @@ def timeline_figures(calls: list[tuple[str, float, float]]) -> dict[str, Any]:
         # where the span lies from the origin (the first event since the last read)
         "first_start_ms": round(top[0][1], 4),
         "last_end_ms": round(top[-1][2], 4),
+        # the GPU's time from each forward's end to the next one's start, in order: where in
+        # the round it waited between forwards
+        "between_forwards_ms": [
+            round(max(0.0, b[0] - a[1]), 3) for a, b in itertools.pairwise(spans)
+        ],
     }
 
 

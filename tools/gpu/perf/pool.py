@@ -45,6 +45,9 @@ time outside the span is the frontend (the process that takes in the outputs) la
 the engine at the round's end, or handing the requests in later at its start: where the runs
 anchored the round and its timeline on the host's clock, that part is split into the time
 before the GPU's first work and after its last.
+Where the timelines have the GPU's time between forwards, per pair where in the round the
+GPU waited more ("GPU by step"): over rounds of equal forward count, the median per gap of the
+first configuration's time between two forwards less the second's.
 And per pair, where in the round the difference falls ("by step"): over rounds in which both
 took the same number of steps (the most common number), the median of the first
 configuration's time from one step output to the next less the second's, per step; the steps
@@ -218,6 +221,45 @@ def step_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list
     ]
 
 
+def forward_gap_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
+    """Per gap between two forwards (the GPU's timeline), the median over pairs of the first
+    run's gap less the second's, ms; then the median of the rounds' summed difference and the
+    number of rounds. Only pairs of equal forward count, of the most common one, count;
+    empty without two such pairs."""
+
+    def gaps(run: dict[str, Any]) -> list[float] | None:
+        found = (run.get("gpu_timeline") or {}).get("between_forwards_ms")
+        return found if isinstance(found, list) else None
+
+    equal = [
+        (a, b)
+        for first, second in pairs
+        if (a := gaps(first)) is not None and (b := gaps(second)) is not None and len(a) == len(b)
+    ]
+    if not equal:
+        return []
+    count = statistics.mode(len(a) for a, _ in equal)
+    rows = [[x - y for x, y in zip(a, b, strict=True)] for a, b in equal if len(a) == count]
+    if len(rows) < 2 or not count:
+        return []
+    return [statistics.median(column) for column in zip(*rows, strict=True)] + [
+        statistics.median(sum(row) for row in rows),
+        len(rows),
+    ]
+
+
+def gpu_by_step(differences: list[float], top: int = 5) -> str:
+    """:func:`forward_gap_differences` in one line: the rounds' median summed difference and
+    the gaps of the largest medians (gap i: before the round's forward i + 1)."""
+    *gaps, total, count = differences
+    largest = sorted(range(len(gaps)), key=lambda i: -abs(gaps[i]))[:top]
+    named = ", ".join(f"before forward {i + 2} {gaps[i]:+.2f}" for i in largest)
+    return (
+        f"the GPU's time between forwards, medians over {count:.0f} rounds of one forward "
+        f"count, ms: summed {total:+.1f}; largest: {named}"
+    )
+
+
 def by_step(differences: list[float], top: int = 5) -> str:
     """:func:`step_differences` in one line: the round's median total, its steps' medians
     summed, and the steps of the largest medians (1 = the first output)."""
@@ -354,6 +396,9 @@ def main() -> None:
             differences = step_differences(paired)
             if differences:
                 print(f"{workload:8s} {top}/{bottom} by step   : {by_step(differences)}")
+            forward_gaps = forward_gap_differences(paired)
+            if forward_gaps:
+                print(f"{workload:8s} {top}/{bottom} GPU by step: {gpu_by_step(forward_gaps)}")
             for index, path in enumerate(args.runs) if len(args.runs) > 1 else ():
                 mine = [r for (run_index, _), r in round_ratios.items() if run_index == index]
                 if len(mine) > 1:

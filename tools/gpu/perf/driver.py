@@ -50,14 +50,10 @@ from engine_setup import (  # beside this file (run as a script)
     with_prefill_graphs,
 )
 from pinning import split_cores
+from proc_stats import ALLOCATOR_VARIANTS
 from report import summary
 
 HERE = Path(__file__).resolve().parent
-#: environment of a configuration's processes (the frontend and its engine) per variant
-ALLOCATOR_VARIANTS = {
-    "thp": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
-    "keep": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"},
-}
 TAG = "@@perf "
 
 
@@ -68,8 +64,7 @@ def engine_env(config: str, plugins_without_ours: str) -> dict[str, str]:
     if config.partition("+")[0] != "ours":  # our plugin stays out of off and native
         env["VLLM_PLUGINS"] = plugins_without_ours
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # store counters through collective_rpc
-    # +thp, +keep: the allocator settings docs/configuration.md recommends for a process that
-    # takes in large R3 arrays; glibc reads them at start, so they go in here
+    # +thp, +keep: glibc reads its allocator settings at the process's start
     for variant in config.split("+")[1:]:
         env.update(ALLOCATOR_VARIANTS.get(variant, {}))
     return env

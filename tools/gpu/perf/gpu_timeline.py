@@ -41,8 +41,8 @@ def timeline_figures(calls: list[tuple[str, float, float]]) -> dict[str, Any]:
     the previous one's end (never negative: events on one stream complete in order, so only
     rounding makes it so); outside forwards: the span less the forwards' time."""
     top = [call for call in calls if call[0] != "forward"]
-    forwards = [end - start for name, start, end in calls if name == "forward"]
     spans = sorted((start, end) for name, start, end in calls if name == "forward")
+    forwards = [end - start for start, end in spans]
     if not top:
         return {"calls": 0}
     in_calls: dict[str, list[float]] = {}

@@ -189,57 +189,20 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     )
 
 
-def step_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
-    """Per step, the median over pairs of the first run's time from the previous step output
-    (the round's start for the first) less the second's, ms; the last entry is the time after
-    the last step output; then the median of the rounds' whole difference and the number of
-    rounds. Only pairs of equal step count, of the most common one, count (so that a step's
-    index means the same step); empty without two such pairs."""
-
-    def gaps(run: dict[str, Any]) -> list[float]:
-        after_last = run["seconds"] - (run["steps"][-1][0] if run["steps"] else 0.0)
-        return [*step_durations(run), after_last]
-
-    equal = [
-        (a, b)
-        for a, b in pairs
-        if len(a["steps"]) == len(b["steps"]) and "seconds" in a and "seconds" in b
-    ]
-    if not equal:
-        return []
-    count = statistics.mode(len(a["steps"]) for a, _ in equal)
-    rows = [
-        [1000 * (x - y) for x, y in zip(gaps(first), gaps(second), strict=True)]
-        for first, second in equal
-        if len(first["steps"]) == count
-    ]
-    if len(rows) < 2:
-        return []
-    return [statistics.median(column) for column in zip(*rows, strict=True)] + [
-        statistics.median(sum(row) for row in rows),
-        len(rows),
-    ]
-
-
-def forward_gap_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
-    """Per gap between two forwards (the GPU's timeline), the median over pairs of the first
-    run's gap less the second's, ms; then the median of the rounds' summed difference and the
-    number of rounds. Only pairs of equal forward count, of the most common one, count;
-    empty without two such pairs."""
-
-    def gaps(run: dict[str, Any]) -> list[float] | None:
-        found = (run.get("gpu_timeline") or {}).get("between_forwards_ms")
-        return found if isinstance(found, list) else None
-
-    equal = [
-        (a, b)
-        for first, second in pairs
-        if (a := gaps(first)) is not None and (b := gaps(second)) is not None and len(a) == len(b)
-    ]
+def paired_differences(
+    pairs: list[tuple[list[float], list[float]]], scale: float = 1.0
+) -> list[float]:
+    """Per index, the median over pairs of ``scale`` times the first list's value less the
+    second's; then the median of the pairs' summed difference and the number of pairs. Only
+    pairs of equal length, of the most common one, count (so that an index means the same
+    step in every pair); empty without two such pairs."""
+    equal = [(a, b) for a, b in pairs if len(a) == len(b)]
     if not equal:
         return []
     count = statistics.mode(len(a) for a, _ in equal)
-    rows = [[x - y for x, y in zip(a, b, strict=True)] for a, b in equal if len(a) == count]
+    rows = [
+        [scale * (x - y) for x, y in zip(a, b, strict=True)] for a, b in equal if len(a) == count
+    ]
     if len(rows) < 2 or not count:
         return []
     return [statistics.median(column) for column in zip(*rows, strict=True)] + [
@@ -248,12 +211,46 @@ def forward_gap_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) 
     ]
 
 
+def step_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
+    """:func:`paired_differences` of the runs' times from the previous step output (the
+    round's start for the first) to each step output, and after the last, in ms."""
+
+    def gaps(run: dict[str, Any]) -> list[float]:
+        after_last = run["seconds"] - (run["steps"][-1][0] if run["steps"] else 0.0)
+        return [*step_durations(run), after_last]
+
+    return paired_differences(
+        [(gaps(a), gaps(b)) for a, b in pairs if "seconds" in a and "seconds" in b], 1000.0
+    )
+
+
+def forward_gap_differences(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
+    """:func:`paired_differences` of the runs' GPU time between two forwards (the GPU's
+    timeline), in ms."""
+
+    def gaps(run: dict[str, Any]) -> list[float] | None:
+        found = (run.get("gpu_timeline") or {}).get("between_forwards_ms")
+        return found if isinstance(found, list) else None
+
+    return paired_differences(
+        [
+            (a, b)
+            for first, second in pairs
+            if (a := gaps(first)) is not None and (b := gaps(second)) is not None
+        ]
+    )
+
+
+def largest(values: list[float], top: int) -> list[int]:
+    """The indices of the ``top`` values farthest from zero, largest first."""
+    return sorted(range(len(values)), key=lambda i: -abs(values[i]))[:top]
+
+
 def gpu_by_step(differences: list[float], top: int = 5) -> str:
     """:func:`forward_gap_differences` in one line: the rounds' median summed difference and
     the gaps of the largest medians (gap i: before the round's forward i + 1)."""
     *gaps, total, count = differences
-    largest = sorted(range(len(gaps)), key=lambda i: -abs(gaps[i]))[:top]
-    named = ", ".join(f"before forward {i + 2} {gaps[i]:+.2f}" for i in largest)
+    named = ", ".join(f"before forward {i + 2} {gaps[i]:+.2f}" for i in largest(gaps, top))
     return (
         f"the GPU's time between forwards, medians over {count:.0f} rounds of one forward "
         f"count, ms: summed {total:+.1f}; largest: {named}"
@@ -264,10 +261,9 @@ def by_step(differences: list[float], top: int = 5) -> str:
     """:func:`step_differences` in one line: the round's median total, its steps' medians
     summed, and the steps of the largest medians (1 = the first output)."""
     *steps, total, count = differences
-    largest = sorted(range(len(steps)), key=lambda i: -abs(steps[i]))[:top]
     named = ", ".join(
         f"{'after the last' if i == len(steps) - 1 else f'step {i + 1}'} {steps[i]:+.1f}"
-        for i in largest
+        for i in largest(steps, top)
     )
     return (
         f"medians over {count:.0f} rounds of one step count, ms: the round {total:+.1f}, its "

@@ -109,13 +109,22 @@ def python_thread_names() -> dict[int, str]:
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
+#: ``+thp``, ``+keep``: the environment of a configuration's processes (the frontend and its
+#: engine), the allocator settings docs/configuration.md recommends for a process that takes
+#: in large R3 arrays (the driver sets it at their start: glibc reads it then)
+ALLOCATOR_VARIANTS = {
+    "thp": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "keep": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"},
+}
+
+
 def allocator_setting() -> str:
     """The allocator environment this process started with, glibc's version and the
     kernel's transparent huge pages mode (``hugetlb=1`` needs glibc 2.35 and ``madvise`` or
     ``always``)."""
     import platform
 
-    names = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    names = sorted({name for env in ALLOCATOR_VARIANTS.values() for name in env})
     env = " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "glibc defaults"
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

@@ -9,6 +9,7 @@ compared as sets.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ def fresh_prefix_cache(llm_a: Any) -> None:
     fault tests damage every object in the store, and a later test's first request must not
     hit a prefix whose R3 they damaged (it recomputes and republishes, replacing it)."""
     assert llm_a.reset_prefix_cache()
+
+
+def test_rank_zero_runs_with_the_default_switch_interval(llm_a: Any) -> None:
+    def interval(worker: Any) -> float:
+        return sys.getswitchinterval()
+
+    assert llm_a.collective_rpc(interval) == [pytest.approx(0.0005)]
 
 
 def test_shape_and_dtype_uint8(llm_a: Any) -> None:

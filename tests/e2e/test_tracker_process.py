@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ def llm(model_a: Path, store_root: Path, llm_factory: Any) -> Any:
         model_a,
         artifact_root=str(store_root),
         artifact_tracker="process",
+        artifact_switch_interval_ms=1.5,
         max_num_batched_tokens=CHUNK_BUDGET,
         max_num_seqs=8,
     )
@@ -61,6 +63,13 @@ def tracker(llm: Any) -> dict[str, Any]:
         }
 
     return next(s for s in llm.collective_rpc(probe) if s)
+
+
+def test_the_given_switch_interval_reaches_rank_zero(llm: Any) -> None:
+    def interval(worker: Any) -> float:
+        return sys.getswitchinterval()
+
+    assert llm.collective_rpc(interval) == [pytest.approx(0.0015)]
 
 
 def test_rows_match_the_oracle_with_chunks_prefix_hits_and_n2(llm: Any, model_a: Path) -> None:

@@ -34,6 +34,7 @@ from vllm_artifact.integration.config import (
     ArtifactConfig,
     parse_duration,
     parse_size,
+    parse_switch_interval,
 )
 from vllm_artifact.integration.plugin import register
 from vllm_artifact.selftest.tiny_models import ensure_tiny_model
@@ -151,6 +152,32 @@ def test_parse_duration_units(number: float, unit: str) -> None:
     assert parse_duration(number) == number
 
 
+@pytest.mark.parametrize(
+    "value, expected",
+    [("keep", "keep"), (" KEEP ", "keep"), ("0.5", 0.5), (2, 2.0), (0.05, 0.05), ("100", 100.0)],
+)
+def test_parse_switch_interval_accepts(value: str | float, expected: float | str) -> None:
+    assert parse_switch_interval(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("0", "more than 0"),
+        (-0.5, "more than 0"),
+        (100.5, "at most 100"),
+        (math.inf, "at most 100"),
+        (math.nan, "more than 0"),
+        ("5ms", "not understood"),
+        (True, "number of milliseconds"),
+        (None, "number of milliseconds"),
+    ],
+)
+def test_parse_switch_interval_rejects(value: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_switch_interval(value)
+
+
 # ------------------------------------------------------------------------ ArtifactConfig
 
 
@@ -161,6 +188,7 @@ def test_defaults() -> None:
     assert config.root == Path(default_root())
     assert config.capacity == "auto"
     assert config.ttl_seconds == 3600.0
+    assert config.switch_interval_ms == 0.5
 
 
 def test_frozen_and_no_extra_fields() -> None:
@@ -186,6 +214,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         ttl_seconds="30m",  # type: ignore[arg-type]
         keys_lease_seconds="90s",  # type: ignore[arg-type]
         tracker="process",
+        switch_interval_ms="keep",
     )
     entry = json.loads(json.dumps(config.to_additional_config()))
     assert entry == {
@@ -195,6 +224,7 @@ def test_additional_config_round_trip_is_json_safe() -> None:
         "ttl_seconds": 1800.0,
         "keys_lease_seconds": 90.0,
         "tracker": "process",
+        "switch_interval_ms": "keep",
         "mooncake_master": None,
         "mooncake_metadata": "P2PHANDSHAKE",
         "mooncake_host": None,
@@ -247,6 +277,8 @@ ALL_FLAGS = (
     "5m",
     "--artifact-tracker",
     "process",
+    "--artifact-switch-interval-ms",
+    "0.25",
     "--artifact-mooncake-master",
     "10.0.0.5:50051",
     "--artifact-mooncake-metadata",
@@ -265,6 +297,7 @@ ALL_ENTRY = {
     "ttl_seconds": 1800.0,
     "keys_lease_seconds": 300.0,
     "tracker": "process",
+    "switch_interval_ms": 0.25,
     "mooncake_master": "10.0.0.5:50051",
     "mooncake_metadata": "http://10.0.0.5:8080/metadata",
     "mooncake_host": "10.0.0.7",
@@ -290,6 +323,7 @@ def test_keywords_reach_additional_config() -> None:
         artifact_ttl="30m",
         artifact_keys_lease="5m",
         artifact_tracker="process",
+        artifact_switch_interval_ms=0.25,
         artifact_mooncake_master="10.0.0.5:50051",
         artifact_mooncake_metadata="http://10.0.0.5:8080/metadata",
         artifact_mooncake_host="10.0.0.7",
@@ -329,6 +363,8 @@ def test_bad_additional_config_entry_is_rejected() -> None:
         ("--artifact-capacity", "0", "--artifact-capacity 8GiB"),
         ("--artifact-ttl", "soon", "--artifact-ttl 1h"),
         ("--artifact-ttl", "0s", "--artifact-ttl 1h"),
+        ("--artifact-switch-interval-ms", "fast", "--artifact-switch-interval-ms 0.5"),
+        ("--artifact-switch-interval-ms", "0", "--artifact-switch-interval-ms 0.5"),
     ],
 )
 def test_bad_cli_values_fail_while_parsing(
@@ -370,6 +406,10 @@ def test_unknown_backend_fails_while_parsing(
             r"artifact_mooncake_master='10.0.0.5': must be HOST:PORT",
         ),
         ({"artifact_mooncake_buffer": "auto"}, r"takes a size, e.g. 256MiB, not 'auto'"),
+        (
+            {"artifact_switch_interval_ms": 500},
+            r"artifact_switch_interval_ms=500: switch interval must be more than 0 and at most",
+        ),
     ],
 )
 def test_bad_keyword_values_fail_at_engine_args(kwargs: dict[str, Any], match: str) -> None:

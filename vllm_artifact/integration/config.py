@@ -36,6 +36,7 @@ __all__ = [
     "ArtifactConfig",
     "parse_duration",
     "parse_size",
+    "parse_switch_interval",
 ]
 
 #: Key of our settings in ``VllmConfig.additional_config``.
@@ -99,6 +100,39 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+#: The GIL switch interval the output rank runs with unless told otherwise (milliseconds).
+DEFAULT_SWITCH_INTERVAL_MS = 0.5
+#: The longest switch interval accepted (milliseconds): CPython's own default is 5.
+MAX_SWITCH_INTERVAL_MS = 100.0
+
+
+def parse_switch_interval(value: object) -> float | Literal["keep"]:
+    """A GIL switch interval in milliseconds, or ``"keep"`` (leave the interpreter's own).
+
+    The result is finite, more than 0 and at most :data:`MAX_SWITCH_INTERVAL_MS`.
+    """
+    if isinstance(value, str) and value.strip().lower() == "keep":
+        return "keep"
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(
+            f"switch interval must be 'keep' or a number of milliseconds such as 0.5, got "
+            f"{value!r} ({type(value).__name__})"
+        )
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        raise ValueError(
+            f"switch interval {value!r} is not understood: use 'keep' or a number of "
+            "milliseconds such as 0.5"
+        ) from None
+    if not math.isfinite(milliseconds) or not 0 < milliseconds <= MAX_SWITCH_INTERVAL_MS:
+        raise ValueError(
+            f"switch interval must be more than 0 and at most {MAX_SWITCH_INTERVAL_MS:g} ms, "
+            f"got {value!r}"
+        )
+    return milliseconds
+
+
 class ArtifactConfig(BaseModel):
     """Every setting of the Artifact Connector, validated once.
 
@@ -128,6 +162,10 @@ class ArtifactConfig(BaseModel):
     """Where rank zero's request tracking and store writes run: on the engine's own thread
     (``engine``), or in a process of their own (``process``) that takes each step's rows
     through shared memory while the engine launches the next step."""
+    switch_interval_ms: float | Literal["keep"] = DEFAULT_SWITCH_INTERVAL_MS
+    """The GIL switch interval of the output rank's process, where the step thread, the
+    output thread and the store writer share one interpreter: a thread that waits for the GIL
+    waits up to this long (CPython's default is 5 ms). ``"keep"`` leaves it as it is."""
     mooncake_master: str | None = None
     """``HOST:PORT`` of the Mooncake master's RPC service (backend ``mooncake``)."""
     mooncake_metadata: str = "P2PHANDSHAKE"
@@ -189,6 +227,11 @@ class ArtifactConfig(BaseModel):
     def _parse_capacity(cls, value: Any) -> int | Literal["auto"]:
         return parse_size(value)
 
+    @field_validator("switch_interval_ms", mode="before")
+    @classmethod
+    def _parse_switch_interval(cls, value: Any) -> float | Literal["keep"]:
+        return parse_switch_interval(value)
+
     @field_validator("ttl_seconds", "keys_lease_seconds", mode="before")
     @classmethod
     def _parse_ttl(cls, value: Any) -> float:
@@ -206,6 +249,7 @@ class ArtifactConfig(BaseModel):
             "ttl_seconds": self.ttl_seconds,
             "keys_lease_seconds": self.keys_lease_seconds,
             "tracker": self.tracker,
+            "switch_interval_ms": self.switch_interval_ms,
             "mooncake_master": self.mooncake_master,
             "mooncake_metadata": self.mooncake_metadata,
             "mooncake_host": self.mooncake_host,

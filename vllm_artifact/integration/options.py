@@ -25,6 +25,7 @@ from vllm_artifact.integration.config import (
     ArtifactConfig,
     parse_duration,
     parse_size,
+    parse_switch_interval,
 )
 
 #: ``LLM(...)`` / ``EngineArgs(...)`` keyword that turns routed-experts (R3) output on.
@@ -117,6 +118,17 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
         "own thread) or 'process' (a process of its own, fed each step's rows through shared "
         "memory; frees the engine's thread where it, not the GPU, bounds throughput). "
         "Default: engine.",
+    ),
+    StoreOption(
+        kwarg="artifact_switch_interval_ms",
+        field="switch_interval_ms",
+        metavar="MS|keep",
+        example="0.5",
+        parse=parse_switch_interval,
+        help="The GIL switch interval, in milliseconds, of rank zero's worker process (with "
+        "one GPU, the engine core): how long its step thread may wait for the interpreter "
+        "while R3's output thread or store writer holds it. 'keep' leaves Python's own "
+        "(5 ms). Default: 0.5.",
     ),
     StoreOption(
         kwarg="artifact_mooncake_master",

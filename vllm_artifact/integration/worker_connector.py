@@ -51,6 +51,7 @@ from vllm_artifact.integration.engine_store import (
 )
 from vllm_artifact.integration.namespace import model_identity, moe_layer_ids, r3_layout
 from vllm_artifact.integration.output_side import OutputSetup, open_output_side
+from vllm_artifact.integration.switch_interval import SwitchInterval
 from vllm_artifact.integration.tracker_process import ANSWER_TIMEOUT_S, TrackerProcess
 from vllm_artifact.integration.tracker_service import TrackerCounters
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
@@ -207,6 +208,7 @@ class ArtifactWorkerConnector:
         self._publisher: Publisher | None = None
         self._tracker: RequestTracker | None = None
         self._process: TrackerProcess | None = None  # --artifact-tracker process
+        self._switch_interval: SwitchInterval | None = None  # rank zero's, while open
         self._steps_started = 0
         self._keys_context: KeysContext | None = None  # sent to the scheduler once
         if kv_cache_config is not None:
@@ -263,6 +265,7 @@ class ArtifactWorkerConnector:
             self._tracker, self._store = side.tracker, side.store
             address = side.engine_store.address
         self._keys_context = KeysContext(address, self._model_id, self._layout)
+        self._switch_interval = SwitchInterval(config.switch_interval_ms)
 
     # --------------------------------------------------------------- startup
 
@@ -460,6 +463,9 @@ class ArtifactWorkerConnector:
 
     def close(self) -> None:
         with self._lock:
+            if self._switch_interval is not None:
+                self._switch_interval.restore()
+                self._switch_interval = None
             if self._process is not None:
                 self._process.close()
                 self._process = None

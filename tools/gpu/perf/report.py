@@ -34,6 +34,8 @@ PAIRS = (
     ("ours+switch", "off"),
     ("off+switch", "off"),
     ("ours+switch", "off+switch"),
+    ("ours", "ours+pyswitch"),  # ours' switch interval (0.5 ms) or the interpreter's (5 ms)
+    ("ours", "off+switch"),
     ("ours+thp", "ours"),  # the allocator settings docs/configuration.md recommends
     ("off+thp", "off"),
     ("ours+thp", "off+thp"),
@@ -59,6 +61,7 @@ RIGHT_R3 = (
     "ours+thp",
     "ours+keep",
     "ours+earlyfacts",
+    "ours+pyswitch",
 )
 
 
@@ -102,10 +105,14 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
         for config in configs:
             timers = [r.get("step_timers") or {} for r in rows if r["config"] == config]
             names = sorted({name for t in timers for name in t})
-            if names:  # the engine core main thread's CPU in each part, per round
+            if names:  # each part's CPU a round, on the thread that ran it (process_output:
+                # MRV2's output thread; the others the engine core's main thread)
                 ms = {n: statistics.median(t.get(n, [0, 0.0])[1] for t in timers) for n in names}
                 parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
-                lines.append(f"  {config:<7} main-thread CPU per round, ms (median): {parts}")
+                lines.append(
+                    f"  {config:<7} CPU per round in each timed part (its thread's clock), "
+                    f"ms (median): {parts}"
+                )
             waits = timed_waits(timers)
             if waits:
                 lines.append(f"  {config:<7} {waits}")

@@ -158,7 +158,9 @@ class Worker:
         # "+copyframes", the engine's ZMQ frames copied, never zero-copy; "ours+keys", every
         # request asks for the keys handoff (routed_experts_format="keys"), and the handles
         # are read from the store after the round, outside its time, as a trainer on the node
-        # reads them; "+switch", the engine core's GIL switch interval 0.5 ms, not 5; "+thp"
+        # reads them; "+switch", the engine core's GIL switch interval 0.5 ms, not 5 (ours
+        # runs with 0.5 ms by default: "off+switch" is the control, "ours+pyswitch" ours with
+        # --artifact-switch-interval-ms keep, the interpreter's 5 ms); "+thp"
         # and "+keep", the allocator settings docs/configuration.md recommends;
         # "ours+earlyfacts", a step's facts applied before its forward is queued (these:
         # R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
@@ -183,6 +185,8 @@ class Worker:
             kwargs.update(enable_routed_experts=True, artifact_root=self.root)
             if "process" in self.variants:
                 kwargs["artifact_tracker"] = "process"
+            if "pyswitch" in self.variants:
+                kwargs["artifact_switch_interval_ms"] = "keep"
             if "keys" in self.variants:
                 # handles are read right after their round; their objects stay pinned for
                 # the lease, a few rounds' worth at once: room for them
@@ -235,6 +239,8 @@ class Worker:
                 applied += self.llm.collective_rpc(short_switch_interval)
             elif variant == "process" and self.base == "ours":
                 applied.append("tracker process")
+            elif variant == "pyswitch" and self.base == "ours":
+                applied.append("switch interval: the interpreter's own")
             elif variant == "earlyfacts" and self.base == "ours":
                 applied += self.llm.collective_rpc(early_facts)
             elif variant == "keys" and self.base == "ours":

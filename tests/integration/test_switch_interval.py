@@ -1,0 +1,42 @@
+"""``SwitchInterval``: the output rank's GIL switch interval is set while R3's output side is
+open and put back after, and ``keep`` leaves the interpreter's own."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_artifact.integration.switch_interval import SwitchInterval
+
+
+@pytest.fixture(autouse=True)
+def interpreter_interval() -> Iterator[None]:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_sets_the_interval_and_restores_the_one_it_found() -> None:
+    switch = SwitchInterval(0.5)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    switch.restore()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    switch.restore()  # a second restore changes nothing
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_keep_leaves_the_interval() -> None:
+    switch = SwitchInterval("keep")
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    switch.restore()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_restore_leaves_an_interval_someone_set_since() -> None:
+    switch = SwitchInterval(0.5)
+    sys.setswitchinterval(0.002)
+    switch.restore()
+    assert sys.getswitchinterval() == pytest.approx(0.002)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 PERF = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "perf"
@@ -241,6 +242,24 @@ def test_r3_is_called_identical_only_where_two_configurations_have_it() -> None:
     three[3]["r3_request_digests"] = ["p", "q", "r"]
     shown = report.summary(three, ["off", "ours", "ours+process", "native"], ["prefill"])
     assert "DIFFER in requests (against ours: native 3 of 3, ours+process 1 of 3)" in shown
+
+
+def test_differing_requests_are_located_by_their_span_digests() -> None:
+    rows = np.arange(150 * 58 * 8, dtype=np.uint8).reshape(150, 58, 8)
+    flipped = rows.copy()
+    flipped[130, 40, 3] += 1  # one expert id of token 130, in the third span of 64 tokens
+    shorter = rows[:120]
+    ours = {"r3_request_digests": ["a", "b", "c"]}
+    ours["r3_span_digests"] = [report.span_digests(r) for r in (rows, rows, rows)]
+    other = {"r3_request_digests": ["a", "x", "y"]}
+    other["r3_span_digests"] = [report.span_digests(r) for r in (rows, flipped, shorter)]
+    shown = report.differing_requests(
+        {"ours": ours, "ours+process": other}, ["ours", "ours+process"]
+    )
+    assert shown == (
+        " in requests (against ours: ours+process 2 of 3 [request 1: from token 128, 1 of 3 "
+        "spans of 64 tokens; request 2: 3 against 2 spans (row counts differ)])"
+    )
 
 
 def test_the_timed_parts_waits_are_their_wall_time_less_their_cpu() -> None:

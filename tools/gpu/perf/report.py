@@ -4,10 +4,13 @@ after a run (``pool.py`` pools several runs' rounds with the same functions)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 #: the ratios reported, first over second ("ours+nocap" prices vLLM's capture itself)
 PAIRS = (
@@ -149,17 +152,63 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
 
 def differing_requests(runs: dict[str, dict[str, Any]], configs: list[str]) -> str:
     """How many requests' R3 differ, each configuration against the first (``ours`` if it is
-    among them): near-ties in differently composed bf16 batches flip a few, a bug many."""
+    among them): near-ties in differently composed bf16 batches flip a few, a bug many. Where
+    the runs carry span digests, each differing request (up to ``SHOWN_REQUESTS``) is
+    located: the first differing token and the spans that differ."""
     first = "ours" if "ours" in configs else configs[0]
     mine = runs[first].get("r3_request_digests", [])
+    my_spans = runs[first].get("r3_span_digests", [])
     parts = []
     for other in configs:
         if other == first:
             continue
         theirs = runs[other].get("r3_request_digests", [])
-        differ = sum(a != b for a, b in zip(mine, theirs, strict=False))
-        parts.append(f"{other} {differ} of {min(len(mine), len(theirs))}")
+        differ = [i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b]
+        part = f"{other} {len(differ)} of {min(len(mine), len(theirs))}"
+        spans = runs[other].get("r3_span_digests", [])
+        where = [
+            located(i, my_spans[i], spans[i])
+            for i in differ[:SHOWN_REQUESTS]
+            if i < min(len(my_spans), len(spans))
+        ]
+        if where:
+            part += " [" + "; ".join(where) + "]"
+        parts.append(part)
     return f" in requests (against {first}: " + ", ".join(parts) + ")"
+
+
+#: tokens per span of ``span_digests``: a prefill request's 2,064 rows in 33 spans
+SPAN_TOKENS = 64
+
+
+def span_digests(experts: np.ndarray) -> str:
+    """One byte of digest per ``SPAN_TOKENS`` rows of a request's R3, as hex (the worker
+    keeps it per request): two engines' digests of a request locate where its rows differ
+    for about 1% of the rows' size."""
+    rows = np.ascontiguousarray(experts)
+    return "".join(
+        hashlib.blake2b(rows[start : start + SPAN_TOKENS].tobytes(), digest_size=1).hexdigest()
+        for start in range(0, len(rows), SPAN_TOKENS)
+    )
+
+
+#: differing requests ``differing_requests`` locates, per configuration
+SHOWN_REQUESTS = 4
+
+
+def located(request: int, mine: str, theirs: str) -> str:
+    """Where one request's rows differ, from two span digests (two hex digits a span)."""
+    a = [mine[i : i + 2] for i in range(0, len(mine), 2)]
+    b = [theirs[i : i + 2] for i in range(0, len(theirs), 2)]
+    if len(a) != len(b):
+        return f"request {request}: {len(a)} against {len(b)} spans (row counts differ)"
+    spans = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if not spans:  # a one-byte digest misses one difference in 256
+        return f"request {request}: no span's digest differs"
+    return (
+        f"request {request}: from token {spans[0] * SPAN_TOKENS}, {len(spans)} of {len(a)} "
+        f"spans of {SPAN_TOKENS} tokens"
+    )
 
 
 def keys_reading(runs: Iterable[dict[str, Any]]) -> str | None:

@@ -55,6 +55,7 @@ from proc_stats import (
     thread_cpu,
     thread_waits,
 )
+from report import span_digests
 from waits import WaitSampler
 
 # collective_rpc ships these functions to the engine core, whose path need not reach here
@@ -327,6 +328,7 @@ class Worker:
         r3 = hashlib.blake2b(digest_size=8)
         r3_bytes, missing = 0, 0
         per_request: list[str] = []  # so a difference between engines is counted, not only seen
+        per_span: list[str] = []  # and located: which of a request's tokens differ
         for o in outputs:
             tokens.update(np.asarray(o.outputs[0].token_ids, dtype=np.int64).tobytes())
             experts = keys_rows.get(id(o), o.outputs[0].routed_experts)
@@ -339,6 +341,7 @@ class Worker:
                 r3.update(np.ascontiguousarray(experts).tobytes())
                 one = hashlib.blake2b(np.ascontiguousarray(experts).tobytes(), digest_size=6)
                 per_request.append(one.hexdigest())
+                per_span.append(span_digests(experts))
         threads = {
             "frontend" if pid == os.getpid() else f"engine{i}": {
                 name: round(cpu1[pid].get(name, 0.0) - cpu0[pid].get(name, 0.0), 4)
@@ -363,6 +366,7 @@ class Worker:
             "tokens_digest": tokens.hexdigest(),
             "r3_digest": r3.hexdigest(),
             "r3_request_digests": per_request,
+            "r3_span_digests": per_span,
             "r3_bytes": r3_bytes,
             "r3_missing": missing,
             "steps": [[round(t - started, 5), n] for t, n in self.steps],

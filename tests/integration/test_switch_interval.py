@@ -3,6 +3,7 @@ open and put back after, and ``keep`` leaves the interpreter's own."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 
@@ -40,3 +41,12 @@ def test_restore_leaves_an_interval_someone_set_since() -> None:
     sys.setswitchinterval(0.002)
     switch.restore()
     assert sys.getswitchinterval() == pytest.approx(0.002)
+
+
+def test_the_change_is_logged_where_vllm_logs_ours(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="vllm.artifact.worker"):
+        SwitchInterval(0.5).restore()
+        SwitchInterval("keep").restore()
+    assert [r.getMessage() for r in caplog.records if r.name == "vllm.artifact.worker"] == [
+        "vllm-artifact: GIL switch interval 5 ms -> 0.5 ms (--artifact-switch-interval-ms)"
+    ]

@@ -163,9 +163,10 @@ class ArtifactConfig(BaseModel):
     (``engine``), or in a process of their own (``process``) that takes each step's rows
     through shared memory while the engine launches the next step."""
     switch_interval_ms: float | Literal["keep"] = DEFAULT_SWITCH_INTERVAL_MS
-    """The GIL switch interval of the output rank's process, where the step thread, the
-    output thread and the store writer share one interpreter: a thread that waits for the GIL
-    waits up to this long (CPython's default is 5 ms). ``"keep"`` leaves it as it is."""
+    """The GIL switch interval of the output rank's process, where the step thread shares
+    one interpreter with vLLM's input thread, R3's store writer and (several GPUs) the
+    output-copy thread: a thread that waits for the GIL waits up to this long (CPython's
+    default is 5 ms; see ``switch_interval.py``). ``"keep"`` leaves it as it is."""
     mooncake_master: str | None = None
     """``HOST:PORT`` of the Mooncake master's RPC service (backend ``mooncake``)."""
     mooncake_metadata: str = "P2PHANDSHAKE"

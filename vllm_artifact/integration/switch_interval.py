@@ -1,11 +1,13 @@
 """The GIL switch interval of rank zero's worker process.
 
-There the step thread (scheduling, launching forwards), MRV2's output thread (R3's per-step
-tracking) and the store writer share one interpreter. A thread that asks for the GIL while
-another runs Python waits up to the switch interval, CPython's 5 ms by default, and the step
-thread asks for it again after every call that released it (each CUDA launch and copy): with
-R3's output thread busy, the launches of the next forward waited. A shorter interval bounds
-each such wait; ``--artifact-switch-interval-ms keep`` leaves the interpreter's own.
+That process's step thread launches each forward and, on one GPU, also runs R3's per-step
+work (``prepare_output``, ``process_output``); it shares one interpreter with vLLM's input
+thread (decoding arriving requests), R3's store writer and, with several GPUs, the worker's
+output-copy thread. The step thread lets the GIL go at every CUDA launch, copy and wait, and
+getting it back can take up to the switch interval, CPython's 5 ms by default, whenever
+another thread runs Python meanwhile. R3 adds such points to every step, so the waits add up
+(most at a round's start, while requests arrive). A shorter interval bounds each wait;
+``--artifact-switch-interval-ms keep`` leaves the interpreter's own.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import sys
 from typing import Literal
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.artifact.worker")
 
 __all__ = ["SwitchInterval"]
 

@@ -127,8 +127,8 @@ STORE_OPTIONS: tuple[StoreOption, ...] = (
         parse=parse_switch_interval,
         help="The GIL switch interval, in milliseconds, of rank zero's worker process (with "
         "one GPU, the engine core): how long its step thread may wait for the interpreter "
-        "while R3's output thread or store writer holds it. 'keep' leaves Python's own "
-        "(5 ms). Default: 0.5.",
+        "while another thread (vLLM's input thread, R3's store writer) holds it. 'keep' "
+        "leaves Python's own (5 ms). Default: 0.5.",
     ),
     StoreOption(
         kwarg="artifact_mooncake_master",

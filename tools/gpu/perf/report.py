@@ -108,8 +108,8 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
         for config in configs:
             timers = [r.get("step_timers") or {} for r in rows if r["config"] == config]
             names = sorted({name for t in timers for name in t})
-            if names:  # each part's CPU a round, on the thread that ran it (process_output:
-                # MRV2's output thread; the others the engine core's main thread)
+            if names:  # each part's CPU a round, on the thread that ran it (one GPU: all on
+                # the engine core's main thread; several: process_output on the output thread)
                 ms = {n: statistics.median(t.get(n, [0, 0.0])[1] for t in timers) for n in names}
                 parts = ", ".join(f"{name} {ms[name] * 1e3:.1f}" for name in names)
                 lines.append(

@@ -36,10 +36,8 @@ def _faults() -> int:
 
 def _round(arriving: bool, requests: int, kept: list[Any]) -> tuple[float, float, int, int]:
     rng = np.random.default_rng(0)
-    max_tokens = DECODE + 1  # the held rows' tokens and the last one, which has none
     chunk_lists: list[Any] = [
-        ArrivingRows(rows_to_reserve(PROMPT, max_tokens)) if arriving else []
-        for _ in range(requests)
+        ArrivingRows(rows_to_reserve(PROMPT, DECODE + 1)) if arriving else [] for _ in range(requests)
     ]
     arrival_faults = _faults()
     started = time.perf_counter()

@@ -25,7 +25,7 @@ import numpy as np
 from copy_floor import copy_floor_seconds
 
 from vllm_artifact.core.npy import concatenate_into_npy
-from vllm_artifact.core.row_assembly import ArrivingRows, rows_to_reserve
+from vllm_artifact.core.row_assembly import ArrivingRows
 
 LAYERS, TOP_K, PROMPT, DECODE, PER_STEP = 58, 8, 2048, 15, 16
 
@@ -37,7 +37,7 @@ def _faults() -> int:
 def _round(arriving: bool, requests: int, kept: list[Any]) -> tuple[float, float, int, int]:
     rng = np.random.default_rng(0)
     chunk_lists: list[Any] = [
-        ArrivingRows(rows_to_reserve(PROMPT, DECODE + 1)) if arriving else [] for _ in range(requests)
+        ArrivingRows(PROMPT + DECODE + 1) if arriving else [] for _ in range(requests)
     ]
     arrival_faults = _faults()
     started = time.perf_counter()

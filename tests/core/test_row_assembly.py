@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64, npy_file_of
-from vllm_artifact.core.row_assembly import RESERVE_ROWS_MAX, ArrivingRows, rows_to_reserve
+from vllm_artifact.core.row_assembly import ArrivingRows
 
 ROW = (5, 3)
 
@@ -95,24 +95,3 @@ def test_after_its_end_a_resumable_request_falls_back_to_concatenating_everythin
 
 def test_an_empty_list_joins_to_none() -> None:
     assert ArrivingRows(reserve_rows=10).joined() is None
-
-
-def test_rows_to_reserve_are_the_prompts_and_all_generated_tokens_but_the_last() -> None:
-    assert rows_to_reserve(2048, 16) == 2063
-    assert rows_to_reserve(2048, 1) == 2048
-    assert rows_to_reserve(2048, 0) == 2048
-    assert rows_to_reserve(10, 10**6) == 10 + RESERVE_ROWS_MAX
-    assert rows_to_reserve(-1, -1) == 0
-
-
-def test_a_request_ending_at_its_budget_fills_its_file_exactly() -> None:
-    prompt, max_tokens = 40, 6
-    arriving = ArrivingRows(rows_to_reserve(prompt, max_tokens))
-    arriving.append(chunk(0, prompt))
-    assert arriving._file is not None
-    made = arriving._file.nbytes
-    arriving.append(chunk(prompt, max_tokens - 1))
-    joined = arriving.joined()
-    assert joined is not None and len(joined) == prompt + max_tokens - 1
-    assert joined.base is not None and joined.base.nbytes == made  # never shrunk
-    assert npy_file_of(joined) is joined.base

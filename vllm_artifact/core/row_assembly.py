@@ -28,25 +28,11 @@ import numpy as np
 
 from vllm_artifact.core.npy import empty_npy_file, npy_header
 
-__all__ = ["RESERVE_ROWS_MAX", "ArrivingRows", "rows_to_reserve"]
+__all__ = ["RESERVE_ROWS_MAX", "ArrivingRows"]
 
-#: Rows reserved past the prompt's for the generated tokens' (the request's token budget
+#: Rows reserved past the first chunk for the rows still to come (the request's token budget
 #: where it has one, at most this many; more grow the file).
 RESERVE_ROWS_MAX = 4096
-
-
-def rows_to_reserve(prompt_tokens: int, max_tokens: int) -> int:
-    """The rows a request's file is made for: its prompt's and one per generated token but
-    the last (the last sampled token runs no forward), the generated part capped at
-    :data:`RESERVE_ROWS_MAX`.
-
-    Exact for a request that ends at its token budget, so its file is never shrunk. That
-    matters beyond the bytes: with files a row or two larger than their rows, shrunk at the
-    end, glibc gave every new file fresh memory that faulted in page by page
-    (``bench_frontend_join``: 26,500 page faults for 122 MB against 249 exact, 69.5 against
-    19.9 ms; files 240 rows larger, shrunk, faulted 1,123).
-    """
-    return max(0, prompt_tokens) + min(max(0, max_tokens - 1), RESERVE_ROWS_MAX)
 
 
 class ArrivingRows(list):

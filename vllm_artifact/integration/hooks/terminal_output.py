@@ -37,7 +37,7 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64
-from vllm_artifact.core.row_assembly import ArrivingRows, rows_to_reserve
+from vllm_artifact.core.row_assembly import RESERVE_ROWS_MAX, ArrivingRows
 from vllm_artifact.integration.hooks.after_import import patch_module
 from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.request_errors import record_failure
@@ -84,7 +84,7 @@ def _wrap_init(original: Any) -> Any:
             # Rows to come: the prompt's and up to the token budget's (the last token has none)
             budget = self.max_tokens_param if isinstance(self.max_tokens_param, int) else 0
             prompt = self.prompt_len if isinstance(self.prompt_len, int) else 0
-            self.routed_experts_chunks = ArrivingRows(rows_to_reserve(prompt, budget))
+            self.routed_experts_chunks = ArrivingRows(prompt + min(budget, RESERVE_ROWS_MAX))
 
     return __init__
 

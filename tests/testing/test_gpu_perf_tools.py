@@ -497,6 +497,17 @@ def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference(
     )
     assert math.isnan(pool.gpu_seconds(pairs[2][0], "forward_s"))
     assert pool.PARTS["GPU forward"](pairs[0][0]) == 2.6
+    # each side's rounds ending after the GPU's last work: the median and the lagging ones
+    lagging = run(3.5, 2.6, 0.30, 0.10)
+    anchored(lagging, 500.0, 500.05, 3000.0)  # 450 ms after the GPU's last work
+    ours = [pairs[0][0], pairs[1][0], lagging, pairs[2][0]]  # the last has no anchors
+    assert pool.frontend_lag(ours) == (
+        "median +80.0 ms; 1 of 3 rounds 100 ms or more behind, the longest 450 ms"
+    )
+    assert pool.frontend_lag([pairs[0][1], pairs[1][1]]) == (
+        "median +50.0 ms; 0 of 2 rounds 100 ms or more behind"
+    )
+    assert pool.frontend_lag([pairs[2][0]]) is None
     timeline = {
         "calls": 4,
         "span_s": 1.0,

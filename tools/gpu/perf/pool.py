@@ -189,6 +189,25 @@ def gpu_split(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     )
 
 
+#: a round ending this long (s) after the GPU's last work had its frontend fall behind
+LAGGING_S = 0.1
+
+
+def frontend_lag(runs: list[dict[str, Any]]) -> str | None:
+    """How long a configuration's rounds ended after the GPU's last work (the frontend taking
+    in the last outputs): the median, and the rounds whose frontend fell :data:`LAGGING_S`
+    or more behind the engine, which a mean over rounds hides; None without anchors."""
+    after = sorted(x for run in runs if (x := span_ends(run)[1]) == x)
+    if not after:
+        return None
+    lagging = [x for x in after if x >= LAGGING_S]
+    worst = f", the longest {1000 * after[-1]:.0f} ms" if lagging else ""
+    return (
+        f"median {1000 * statistics.median(after):+.1f} ms; {len(lagging)} of {len(after)} "
+        f"rounds {1000 * LAGGING_S:.0f} ms or more behind{worst}"
+    )
+
+
 def paired_differences(
     pairs: list[tuple[list[float], list[float]]], scale: float = 1.0
 ) -> list[float]:
@@ -389,6 +408,10 @@ def main() -> None:
             split = gpu_split(paired)
             if split:
                 print(f"{workload:8s} {top}/{bottom} GPU split : {split}")
+                for config, side in ((top, 0), (bottom, 1)):
+                    lag = frontend_lag([pair[side] for pair in paired])
+                    if lag:
+                        print(f"{workload:8s} {top}/{bottom} {config} frontend lag: {lag}")
             differences = step_differences(paired)
             if differences:
                 print(f"{workload:8s} {top}/{bottom} by step   : {by_step(differences)}")

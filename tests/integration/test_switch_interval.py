@@ -29,6 +29,14 @@ def test_sets_the_interval_and_restores_the_one_it_found() -> None:
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
+@pytest.mark.parametrize("milliseconds", [1.1, 0.05, 100.0])
+def test_intervals_the_interpreter_rounds_are_restored_too(milliseconds: float) -> None:
+    switch = SwitchInterval(milliseconds)
+    assert sys.getswitchinterval() == pytest.approx(milliseconds / 1e3)
+    switch.restore()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
 def test_keep_leaves_the_interval() -> None:
     switch = SwitchInterval("keep")
     assert sys.getswitchinterval() == pytest.approx(0.005)

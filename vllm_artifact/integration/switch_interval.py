@@ -39,6 +39,7 @@ class SwitchInterval:
         )
 
     def restore(self) -> None:
-        if self._set is not None and sys.getswitchinterval() == self._set:
+        # CPython keeps whole microseconds: 1.1 ms reads back as 0.0010999999999999998 s
+        if self._set is not None and abs(sys.getswitchinterval() - self._set) < 1e-6:
             sys.setswitchinterval(self._before)
         self._set = None

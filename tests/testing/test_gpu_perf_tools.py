@@ -508,6 +508,18 @@ def test_gpu_forwards_and_time_outside_pair_by_round_into_the_rounds_difference(
         "median +50.0 ms; 0 of 2 rounds 100 ms or more behind"
     )
     assert pool.frontend_lag([pairs[2][0]]) is None
+    pairs[2][0]["output_delays"] = [[0.003, 0.001]]  # no anchors: the waits alone
+    assert pool.frontend_lag([pairs[2][0]]) == (
+        "outputs waited for the frontend up to 3.0 ms a round and it took 0.001 s on them "
+        "(medians, n=1)"
+    )
+    # with the frontend's steps recorded: how long outputs waited for it, and its processing
+    pairs[0][1]["output_delays"] = [[0.002, 0.010], [0.030, 0.020], [float("nan"), 0.5]]
+    pairs[1][1]["output_delays"] = [[0.001, 0.005], [0.004, 0.015]]
+    assert pool.frontend_lag([pairs[0][1], pairs[1][1]]) == (
+        "median +50.0 ms; 0 of 2 rounds 100 ms or more behind; outputs waited for the frontend "
+        "up to 17.0 ms a round and it took 0.275 s on them (medians, n=2)"
+    )
     timeline = {
         "calls": 4,
         "span_s": 1.0,

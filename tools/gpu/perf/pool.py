@@ -198,13 +198,33 @@ def frontend_lag(runs: list[dict[str, Any]]) -> str | None:
     in the last outputs): the median, and the rounds whose frontend fell :data:`LAGGING_S`
     or more behind the engine, which a mean over rounds hides; None without anchors."""
     after = sorted(x for run in runs if (x := span_ends(run)[1]) == x)
-    if not after:
-        return None
+    if not after:  # no GPU timeline (a CPU run): the outputs' waits alone, where recorded
+        return output_waits(runs).removeprefix("; ") or None
     lagging = [x for x in after if x >= LAGGING_S]
     worst = f", the longest {1000 * after[-1]:.0f} ms" if lagging else ""
     return (
         f"median {1000 * statistics.median(after):+.1f} ms; {len(lagging)} of {len(after)} "
-        f"rounds {1000 * LAGGING_S:.0f} ms or more behind{worst}"
+        f"rounds {1000 * LAGGING_S:.0f} ms or more behind{worst}{output_waits(runs)}"
+    )
+
+
+def output_waits(runs: list[dict[str, Any]]) -> str:
+    """From rounds that recorded ``output_delays`` (per frontend step: how long its outputs
+    waited after the engine made them, and how long the frontend then took on them): the
+    median over rounds of the round's longest wait and of its processing seconds."""
+    longest, processing = [], []
+    for run in runs:
+        delays = run.get("output_delays") or []
+        waits = [wait for wait, _ in delays if wait == wait]  # nan: no engine timestamp
+        if waits:
+            longest.append(max(waits))
+            processing.append(sum(took for _, took in delays))
+    if not longest:
+        return ""
+    return (
+        f"; outputs waited for the frontend up to {1000 * statistics.median(longest):.1f} ms "
+        f"a round and it took {statistics.median(processing):.3f} s on them (medians, "
+        f"n={len(longest)})"
     )
 
 
@@ -408,10 +428,10 @@ def main() -> None:
             split = gpu_split(paired)
             if split:
                 print(f"{workload:8s} {top}/{bottom} GPU split : {split}")
-                for config, side in ((top, 0), (bottom, 1)):
-                    lag = frontend_lag([pair[side] for pair in paired])
-                    if lag:
-                        print(f"{workload:8s} {top}/{bottom} {config} frontend lag: {lag}")
+            for config, side in ((top, 0), (bottom, 1)):
+                lag = frontend_lag([pair[side] for pair in paired])
+                if lag:
+                    print(f"{workload:8s} {top}/{bottom} {config} frontend lag: {lag}")
             differences = step_differences(paired)
             if differences:
                 print(f"{workload:8s} {top}/{bottom} by step   : {by_step(differences)}")

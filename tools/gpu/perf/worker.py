@@ -174,6 +174,10 @@ class Worker:
         self.engine_pids: list[int] = []
         self.pinned: list[int] | None = None  # the CPUs this round's processes run on
         self.steps: list[tuple[float, int]] = []
+        # per frontend step: how long its outputs waited after the engine made them (the
+        # engine's time.monotonic and this perf_counter are both CLOCK_MONOTONIC here), and
+        # how long the frontend then took to process them
+        self.output_delays: list[tuple[float, float]] = []
         self.timeline_error = ""  # why gpu_timeline could not be installed
 
     def start(self) -> dict[str, Any]:
@@ -205,12 +209,29 @@ class Worker:
         plugins = sorted(m for m in sys.modules if m.startswith("vllm_artifact"))
         engine = self.llm.llm_engine
         original_step = engine.step
+        original_get_output = engine.engine_core.get_output
+        got: list[tuple[float, float]] = []  # (received, made by the engine) of the step's
 
-        def timed_step() -> Any:
-            outputs = original_step()
-            self.steps.append((time.perf_counter(), len(outputs)))
+        def timed_get_output() -> Any:
+            outputs = original_get_output()
+            # only messages that carry requests' outputs: others (stats, wake-ups) may have
+            # been made long before, between rounds
+            made = getattr(outputs, "timestamp", 0.0) if getattr(outputs, "outputs", None) else 0
+            got.append((time.perf_counter(), float(made or 0.0)))
             return outputs
 
+        def timed_step() -> Any:
+            got.clear()
+            outputs = original_step()
+            done = time.perf_counter()
+            self.steps.append((done, len(outputs)))
+            if got:
+                received, made = got[-1]
+                waited = received - made if made else float("nan")
+                self.output_delays.append((waited, done - received))
+            return outputs
+
+        engine.engine_core.get_output = timed_get_output
         engine.step = timed_step
         applied: list[Any] = []
         if self.timers:  # first: an unbound capture is not timed
@@ -306,6 +327,7 @@ class Worker:
             open_counters(self.engine_pids[0]) if self.engine_pids else (None, "no engine")
         )
         self.steps = []
+        self.output_delays = []
         with sampler or contextlib.nullcontext():
             started = time.perf_counter()
             outputs = self.generate(prompts, max_tokens)
@@ -370,6 +392,7 @@ class Worker:
             "r3_bytes": r3_bytes,
             "r3_missing": missing,
             "steps": [[round(t - started, 5), n] for t, n in self.steps],
+            "output_delays": [[round(w, 5), round(p, 5)] for w, p in self.output_delays],
             "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "store": {k: after_store[k] - before_store.get(k, 0) for k in after_store},
             "threads_cpu_s": threads,

@@ -196,7 +196,8 @@ LAGGING_S = 0.1
 def frontend_lag(runs: list[dict[str, Any]]) -> str | None:
     """How long a configuration's rounds ended after the GPU's last work (the frontend taking
     in the last outputs): the median, and the rounds whose frontend fell :data:`LAGGING_S`
-    or more behind the engine, which a mean over rounds hides; None without anchors."""
+    or more behind the engine, which a mean over rounds hides, and the outputs' waits
+    (:func:`output_waits`); None with neither anchors nor waits recorded."""
     after = sorted(x for run in runs if (x := span_ends(run)[1]) == x)
     if not after:  # no GPU timeline (a CPU run): the outputs' waits alone, where recorded
         return output_waits(runs).removeprefix("; ") or None

@@ -198,7 +198,7 @@ class ArtifactWorkerConnector:
             self._capturer.batch_eager_steps(len(moe_layer_ids(model)))
         self._model = model
         self._vllm_config = vllm_config
-        self._lock = threading.Lock()  # MRV2's output thread and the step thread both call in
+        self._lock = threading.Lock()  # the step thread and (several GPUs) the output thread
         self._generation = 0
         self._facts_due: list[StepFacts] = []  # begun steps' facts, applied in prepare_output
         self._step_active = False
@@ -344,7 +344,8 @@ class ArtifactWorkerConnector:
         at once (a message); the engine's own tracker applies them in :meth:`prepare_output`,
         once the forward is queued (at once for a step without a forward, which prepares no
         output). The tracker takes a step's facts and the last step's output in either order:
-        MRV2's output thread processes that output while this thread starts the step."""
+        with several GPUs the worker's output-copy thread processes that output while this
+        thread starts the step (on one GPU this thread does both, in turn)."""
         self._step_active = metadata is not None
         self._capturer.step_started()
         tracker, process = self._tracker, self._process

@@ -499,6 +499,7 @@ def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callabl
     worker._process = TrackerProcess(setup, max_rows=PREFILL_TOKEN_BUDGET + CONCURRENCY)
     worker._layout = LAYOUT
     worker._keys_context = None
+    worker._switch_interval = None  # the engine's own (the bench leaves the interpreter's)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
@@ -587,6 +588,7 @@ def ours(
     worker._engine_store = None  # the store is closed with the worker (close below)
     worker._layout = LAYOUT
     worker._keys_context = None
+    worker._switch_interval = None  # the engine's own (the bench leaves the interpreter's)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     kind = ArtifactSchedulerConnector if name == "ours" else PerStepRowsScheduler

@@ -639,3 +639,26 @@ def test_where_the_gpu_waited_more_between_forwards_is_named_by_forward() -> Non
     )
     assert pool.forward_gap_differences(pairs[:1]) == []  # one round says nothing
     assert pool.forward_gap_differences([({}, {})]) == []  # no timelines
+
+
+def test_rounds_with_a_full_collection_in_the_frontend_are_counted_and_left_out() -> None:
+    def run(tok_s: float, full_gc_s: float | None) -> dict[str, Any]:
+        gc = {} if full_gc_s is None else {"frontend": {"gen2_n": 1, "gen2_s": full_gc_s}}
+        return {"out_tok_s": tok_s, "gc": gc}
+
+    pairs = [  # (ours, off)
+        (run(99.0, None), run(100.0, None)),
+        (run(80.0, 0.45), run(100.0, None)),  # ours' frontend ran a full collection
+        (run(98.0, None), run(100.0, None)),
+        (run(100.0, None), run(90.0, 0.5)),  # off's did
+        (run(97.0, None), run(100.0, None)),
+    ]
+    line = pool.full_gc(pairs)
+    assert line is not None
+    assert line.startswith(
+        "in 2 of 5 rounds: 1 rounds (0.45 s) on the first, 1 rounds (0.50 s) on the second; "
+        "the other rounds 0.9800 (95% "
+    )
+    assert line.endswith("), n=3")
+    assert pool.full_gc([pairs[0], pairs[2]]) is None  # none ran one
+    assert pool.frontend_full_gc({"seconds": 1.0}) == 0.0  # no GC records

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,7 @@ class Engine:
     ):
         env = engine_env(config, plugins_without_ours)
         self.config = config
+        self.root = root
         self.log: IO[str] = log.open("w")
         self.proc = subprocess.Popen(
             [
@@ -152,6 +154,10 @@ class Engine:
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
+        self.proc.wait()
+        # The worker kills its engine, whose store stays in /dev/shm (memory) until another
+        # store's start collects it after its TTL: gone with the configuration instead.
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def profile(

@@ -109,6 +109,10 @@ def python_thread_names() -> dict[int, str]:
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
+#: ``driver.py --freeze-frontend-gc``: set in every configuration's environment, its frontend
+#: freezes its heap after warming up
+FREEZE_FRONTEND_GC = "PERF_FREEZE_FRONTEND_GC"
+
 #: ``+thp``, ``+keep``: the environment of a configuration's processes (the frontend and its
 #: engine), the allocator settings docs/configuration.md recommends for a process that takes
 #: in large R3 arrays (the driver sets it at their start: glibc reads it then)

@@ -15,6 +15,7 @@ counters, and for ``ours`` the store's publications (objects and bytes) during t
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -47,6 +48,7 @@ from hw_counters import open_counters
 from keys_read import KEYS_CAPACITY, KEYS_LEASE_S, read_keys
 from pinning import pin_tree
 from proc_stats import (
+    FREEZE_FRONTEND_GC,
     allocator_setting,
     gc_delta,
     gc_totals,
@@ -301,7 +303,12 @@ class Worker:
             prompts, _ = workload_prompts(name, seed, scale)
             self.generate(prompts, 8)
         self.llm.reset_prefix_cache()
-        return {"warm_s": time.perf_counter() - started}
+        warmed = {"warm_s": time.perf_counter() - started}
+        if os.environ.get(FREEZE_FRONTEND_GC) == "1":
+            gc.collect()
+            gc.freeze()
+            warmed["frontend_gc_frozen"] = gc.get_freeze_count()
+        return warmed
 
     def run(
         self, workload: str, seed: int, scale: float, waits: bool = False, repeat: int = 1

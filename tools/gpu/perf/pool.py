@@ -222,8 +222,8 @@ def full_gc(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     """Rounds in which either side's frontend ran a full cyclic-GC collection, and the pair's
     geometric mean over the others. Such a collection scans every object the frontend process
     tracks (an offline ``LLM``'s process is not frozen as ``vllm serve``'s is): about 0.45 s
-    with 780,000 objects, landing in whichever round crosses CPython's threshold, which a few
-    thousand objects more or less in a call decide; None where none ran one."""
+    with 780,000 objects, landing in whichever round crosses CPython's threshold (likely
+    decided by a few thousand objects more or less in a call); None where none ran one."""
     hit = [(a, b) for a, b in pairs if frontend_full_gc(a) or frontend_full_gc(b)]
     if not hit:
         return None

@@ -224,7 +224,13 @@ def full_gc(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     tracks (an offline ``LLM``'s process is not frozen as ``vllm serve``'s is): about 0.45 s
     with 780,000 objects, landing in whichever round crosses CPython's threshold (likely
     decided by a few thousand objects more or less in a call); None where none ran one."""
-    hit = [(a, b) for a, b in pairs if frontend_full_gc(a) or frontend_full_gc(b)]
+    hit: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    rest: list[float] = []  # the other rounds' ratios
+    for a, b in pairs:
+        if frontend_full_gc(a) or frontend_full_gc(b):
+            hit.append((a, b))
+        else:
+            rest.append(a["out_tok_s"] / b["out_tok_s"])
     if not hit:
         return None
     sides = [
@@ -234,11 +240,6 @@ def full_gc(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
         for side in (0, 1)
     ]
     line = f"in {len(hit)} of {len(pairs)} rounds: {', '.join(sides)}"
-    rest = [
-        a["out_tok_s"] / b["out_tok_s"]
-        for a, b in pairs
-        if not (frontend_full_gc(a) or frontend_full_gc(b))
-    ]
     if len(rest) > 1:
         mean, low, high = geomean_ci(rest)
         line += f"; the other rounds {mean:.4f} (95% {low:.4f}-{high:.4f}), n={len(rest)}"

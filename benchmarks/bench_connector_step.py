@@ -463,6 +463,17 @@ def writer_cpu_seconds(name: str) -> float:
     raise RuntimeError(f"no thread {name!r}: the store writer did not start")
 
 
+def bare_worker(capturer: StandInCapturer) -> ArtifactWorkerConnector:
+    """The worker connector's engine-facing methods, without a model to bind to; its output
+    side (store, tracker or tracker process) is the caller's to set. It keeps the
+    interpreter's GIL switch interval (no ``SwitchInterval``)."""
+    worker = object.__new__(ArtifactWorkerConnector)
+    worker._capturer = capturer  # type: ignore[assignment]
+    worker._init_state()
+    worker._layout = LAYOUT
+    return worker
+
+
 def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callable[[], None]]:
     """Ours with ``--artifact-tracker process``: the step thread's CPU is the engine's share
     (sending facts and rows, taking answers); the tracker's own work runs in that process."""
@@ -489,17 +500,8 @@ def ours_in_a_tracker_process(root: str, workload: str) -> tuple[Config, Callabl
         buffer_max_bytes=512 << 20,
     )
     capturer = StandInCapturer()
-    worker = object.__new__(ArtifactWorkerConnector)
-    worker._capturer = capturer  # type: ignore[assignment]
-    worker._lock = threading.Lock()
-    worker._step_active = False
-    worker._steps_started = 0
-    worker._facts_due = []
-    worker._store = worker._publisher = worker._tracker = worker._engine_store = None
+    worker = bare_worker(capturer)
     worker._process = TrackerProcess(setup, max_rows=PREFILL_TOKEN_BUDGET + CONCURRENCY)
-    worker._layout = LAYOUT
-    worker._keys_context = None
-    worker._switch_interval = None  # the engine's own (the bench leaves the interpreter's)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     scheduler = ArtifactSchedulerConnector(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
@@ -576,19 +578,9 @@ def ours(
     )
     store.put_blocks(full_block_keys(tracker.namespace, PREFIX_HASHES), prefix_rows, 0)
     capturer = StandInCapturer()
-    # The worker connector's engine-facing methods, without a model to bind to.
-    worker = object.__new__(ArtifactWorkerConnector)
-    worker._capturer = capturer  # type: ignore[assignment]
-    worker._lock = threading.Lock()
-    worker._generation = 0
-    worker._step_active = False
+    worker = bare_worker(capturer)
+    # No engine store: the store is closed after the worker (close below).
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
-    worker._process, worker._steps_started = None, 0
-    worker._facts_due = []
-    worker._engine_store = None  # the store is closed with the worker (close below)
-    worker._layout = LAYOUT
-    worker._keys_context = None
-    worker._switch_interval = None  # the engine's own (the bench leaves the interpreter's)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     kind = ArtifactSchedulerConnector if name == "ours" else PerStepRowsScheduler

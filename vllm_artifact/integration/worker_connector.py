@@ -198,6 +198,13 @@ class ArtifactWorkerConnector:
             self._capturer.batch_eager_steps(len(moe_layer_ids(model)))
         self._model = model
         self._vllm_config = vllm_config
+        self._init_state()
+        if kv_cache_config is not None:
+            self.initialize_output_storage(kv_cache_config)
+
+    def _init_state(self) -> None:
+        """Every attribute the engine-facing methods use besides the capturer, model and
+        config, output side closed (benchmarks drive those methods without a model)."""
         self._lock = threading.Lock()  # the step thread and (several GPUs) the output thread
         self._generation = 0
         self._facts_due: list[StepFacts] = []  # begun steps' facts, applied in prepare_output
@@ -211,8 +218,6 @@ class ArtifactWorkerConnector:
         self._switch_interval: SwitchInterval | None = None  # rank zero's, while open
         self._steps_started = 0
         self._keys_context: KeysContext | None = None  # sent to the scheduler once
-        if kv_cache_config is not None:
-            self.initialize_output_storage(kv_cache_config)
 
     def initialize_output_storage(self, kv_cache_config: Any) -> None:
         """Open the store, publisher and tracker on the output rank (TP rank zero), once the

@@ -164,3 +164,45 @@ def test_engine_modules_imported_first_are_hooked_before_any_engine_starts() -> 
     lines = out.stdout.strip().splitlines()
     assert "before [False, False, False] ['vllm.v1.engine.async_llm']" in lines, out.stdout
     assert lines[-1] == "after [True, True, True] []", out.stdout
+
+
+def test_offline_handles_are_read_once_published_and_the_rest_at_the_end(
+    store: ShmStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An offline run reads a handle at the first engine step that finds all its objects in
+    the store, in finishing order; the end reads what is left (the steps' unpublished ones and
+    outputs no step showed), each handle exactly once."""
+    reads: list[str] = []
+    real = keys_answer.handle_failure
+
+    def counted(request_id: str, h: R3Keys) -> Any:
+        reads.append(request_id)
+        return real(request_id, h)
+
+    monkeypatch.setattr(keys_answer, "handle_failure", counted)
+    rows = np.arange(32 * 8, dtype=np.uint8).reshape(32, 4, 2) % 8
+    published = full_block_keys(NS, [b"f", b"g"])
+    late = full_block_keys(NS, [b"h"])
+    later = full_block_keys(NS, [b"i"])
+    store.put_blocks(published, rows, 0)
+    first = finished_output("cmpl-first-0", [handle(store, published, rows)])
+    second = finished_output("cmpl-second-0", [handle(store, late, rows[:16])])
+    third = finished_output("cmpl-third-0", [handle(store, later, rows[16:])])
+    unseen = finished_output("cmpl-unseen-0", [handle(store, published, rows)])
+    running = SimpleNamespace(request_id="cmpl-run-0", finished=False, outputs=[])
+    run = keys_answer.OfflineHandles()
+    run.step_done([first, running])
+    assert reads == []  # queued: its last objects come with the next step
+    run.step_done([second])
+    assert reads == ["cmpl-first-0"]
+    run.step_done([third])  # second is unpublished: it and everything after it wait
+    assert reads == ["cmpl-first-0"]
+    store.put_blocks(late, rows[:16], 0)
+    run.step_done([])
+    assert reads == ["cmpl-first-0", "cmpl-second-0"]  # third never published
+    run.finish([first, second, third, unseen])
+    assert reads == ["cmpl-first-0", "cmpl-second-0", "cmpl-third-0", "cmpl-unseen-0"]
+    for output in (first, second, unseen):
+        assert output.outputs[0].finish_reason == "length"
+    failure = r3_failure(third.outputs[0].stop_reason)
+    assert failure is not None and failure.reason == "missing"

@@ -91,6 +91,15 @@ class R3Reader:
             )
         return RoutedExperts(rows, store.layout.dense_layers)
 
+    def published(self, handle: R3Keys) -> bool:
+        """Whether every object of ``handle`` is in its store now (no wait, no read). A store
+        that cannot be opened counts as published: :meth:`read` then says what is wrong."""
+        keys, _, _ = handle.object_keys()
+        try:
+            return all(self._store(handle, fresh=False).exists(keys))
+        except Exception:  # the read reports it, with its reason
+            return True
+
     def _store(self, handle: R3Keys, *, fresh: bool) -> ObjectStore:
         address = handle.store
         with self._lock:
@@ -151,13 +160,17 @@ _DEFAULT: R3Reader | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-def read_r3_keys(
-    handle: R3Keys | str | bytes | Mapping[str, Any], *, timeout: float | None = None
-) -> RoutedExperts:
-    """Read one handle with a process-wide :class:`R3Reader`."""
+def default_reader() -> R3Reader:
+    """The process-wide :class:`R3Reader` (its stores stay open between reads)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
             _DEFAULT = R3Reader()
-        reader = _DEFAULT
-    return reader.read(handle, timeout=timeout)
+        return _DEFAULT
+
+
+def read_r3_keys(
+    handle: R3Keys | str | bytes | Mapping[str, Any], *, timeout: float | None = None
+) -> RoutedExperts:
+    """Read one handle with the process-wide :class:`R3Reader`."""
+    return default_reader().read(handle, timeout=timeout)

@@ -9,8 +9,10 @@ bounded, for the objects, checks every object and the rows' digest ``rows_xxh3``
 that does not resolve fails its request closed with the reason (HTTP 500 with the message;
 offline ``finish_reason == "error"``); the engine and every other request go on. On the API
 server the handles are read in a worker thread (``asyncio.to_thread``), so the event loop
-serves everyone else meanwhile; offline (``LLM.generate``) an in-process engine core is
-stepped once first (it publishes a finished request's last objects in its next step).
+serves everyone else meanwhile. Offline (``LLM.generate``) a handle is read at the first
+engine step after its objects are all in the store, while the rest of the batch runs on the
+GPU; at the run's end only the last steps' handles are left to read (an in-process engine core
+is stepped once first: it publishes a finished request's last objects in its next step).
 Frontend process only, patched when vLLM loads the module; registry: ``hooks/__init__.py``,
 hook ``keys_answer``.
 
@@ -23,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
+from collections import deque
 from collections.abc import AsyncGenerator, Iterable
 from types import ModuleType
 from typing import Any
 
-from vllm_artifact.client.reader import read_r3_keys
+from vllm_artifact.client.reader import default_reader, read_r3_keys
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.errors import ArtifactError
@@ -40,6 +44,7 @@ logger = logging.getLogger("vllm.artifact")
 _HOOK = "keys_answer"
 _ASYNC_LLM = "vllm.v1.engine.async_llm"
 _OFFLINE = "vllm.entrypoints.common.offline"
+_LLM_ENGINE = "vllm.v1.engine.llm_engine"
 
 
 def handle_failure(request_id: str, handle: R3Keys) -> R3Failure | None:
@@ -75,14 +80,57 @@ def _fail(output: Any, completion: Any, failure: R3Failure) -> None:
     logger.error("vllm-artifact: %s", failure.message)
 
 
+def _check(output: Any, completion: Any, handle: R3Keys) -> None:
+    failure = handle_failure(output.request_id, handle)
+    if failure is not None:
+        _fail(output, completion, failure)
+
+
 def check_outputs(outputs: Iterable[Any]) -> None:
     """Read every keys handle of finished ``outputs``; fail those that do not resolve."""
     for output in outputs:
         if getattr(output, "finished", False):
             for completion, handle in _handles(output):
-                failure = handle_failure(output.request_id, handle)
-                if failure is not None:
-                    _fail(output, completion, failure)
+                _check(output, completion, handle)
+
+
+class OfflineHandles:
+    """The keys handles of one offline run, read back while it runs: at each engine step,
+    those of earlier steps whose objects are all in the store by then (in finishing order; the
+    first not yet published stops the pass), the rest at the run's end. A read at the end of
+    a batch would otherwise wait for all of its requests' R3 at once, the GPU idle."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[Any, Any, R3Keys]] = deque()
+        self._checked: set[int] = set()  # ids of completions read back (alive in the run)
+
+    def step_done(self, step_outputs: Iterable[Any]) -> None:
+        """After an engine step: read what has been published since, then queue this
+        step's finished handles (their last objects come with the next step)."""
+        reader = default_reader()
+        while self._waiting and reader.published(self._waiting[0][2]):
+            output, completion, handle = self._waiting.popleft()
+            self._checked.add(id(completion))
+            _check(output, completion, handle)
+        for output in step_outputs:
+            if getattr(output, "finished", False):
+                for completion, handle in _handles(output):
+                    self._waiting.append((output, completion, handle))
+
+    def finish(self, outputs: Iterable[Any]) -> None:
+        """Every handle of the run's ``outputs`` not read yet (waiting, bounded, for its
+        objects); the outputs the steps never showed included."""
+        self._waiting.clear()
+        for output in outputs:
+            if getattr(output, "finished", False):
+                for completion, handle in _handles(output):
+                    if id(completion) not in self._checked:
+                        _check(output, completion, handle)
+
+
+#: the offline run in progress on this thread (``LLM._run_engine`` steps its engine on the
+#: calling thread); engine steps outside a run read nothing
+_RUN = threading.local()
 
 
 async def check_output_async(output: Any) -> None:
@@ -108,15 +156,32 @@ def _wrap_generate(original: Any) -> Any:
     return generate
 
 
+def _wrap_step(original: Any) -> Any:
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step_outputs = original(self, *args, **kwargs)
+        handles: OfflineHandles | None = getattr(_RUN, "handles", None)
+        if handles is not None:
+            handles.step_done(step_outputs)
+        return step_outputs
+
+    return step
+
+
 def _wrap_run_engine(original: Any) -> Any:
     @functools.wraps(original)
     def _run_engine(self: Any, *args: Any, **kwargs: Any) -> Any:
-        outputs = original(self, *args, **kwargs)
+        handles, outer = OfflineHandles(), getattr(_RUN, "handles", None)
+        _RUN.handles = handles
+        try:
+            outputs = original(self, *args, **kwargs)
+        finally:
+            _RUN.handles = outer
         if any(True for output in outputs for _ in _handles(output)):
             engine = self.llm_engine
             if type(engine.engine_core).__name__ == "InprocClient":
                 engine.step()  # delivers the finished requests (and their tails) to the worker
-            check_outputs(outputs)
+            handles.finish(outputs)
         return outputs
 
     return _run_engine
@@ -127,6 +192,10 @@ def _patch(module: ModuleType) -> None:
         require_attributes(_HOOK, (module, "AsyncLLM"))
         require_attributes(_HOOK, (module.AsyncLLM, "generate"))
         wrap_once(module.AsyncLLM, "generate", _wrap_generate)
+    elif module.__name__ == _LLM_ENGINE:
+        require_attributes(_HOOK, (module, "LLMEngine"))
+        require_attributes(_HOOK, (module.LLMEngine, "step"))
+        wrap_once(module.LLMEngine, "step", _wrap_step)
     else:
         require_attributes(_HOOK, (module, "OfflineInferenceMixin"))
         require_attributes(_HOOK, (module.OfflineInferenceMixin, "_run_engine"))
@@ -134,6 +203,10 @@ def _patch(module: ModuleType) -> None:
 
 
 def install() -> None:
-    for name, attribute in ((_ASYNC_LLM, "AsyncLLM"), (_OFFLINE, "OfflineInferenceMixin")):
+    for name, attribute in (
+        (_ASYNC_LLM, "AsyncLLM"),
+        (_LLM_ENGINE, "LLMEngine"),
+        (_OFFLINE, "OfflineInferenceMixin"),
+    ):
         if not patch_module(name, attribute, _patch):
             logger.debug("vllm-artifact: %s is being imported; patched once it is", name)

@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus
 from vllm_artifact.contract import EmittedRows, StepResult
 from vllm_artifact.core.failure import r3_failure
 from vllm_artifact.core.handoff import KeysContext, StoreAddress
+from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION, full_block_keys
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.errors import VllmIncompatibleError
 from vllm_artifact.integration.hooks import (
@@ -146,6 +147,36 @@ def test_a_finished_keys_request_is_never_answered_without_its_handle() -> None:
     assert connector.take_output(done, StepResult(entries={"k": EmittedRows(0, rows)})) is None
     failure = connector.take_late_failures()["k"]
     assert "last, partial block cannot be made" in failure.message
+
+
+def test_a_keys_requests_blocks_are_keyed_under_the_weight_version_of_their_step() -> None:
+    """The scheduler makes a running keys-only request's keys a step at a time; a weight
+    version set between two steps keys the later blocks under the new version, as rank zero
+    keys the objects it publishes."""
+    connector = ArtifactSchedulerConnector(hash_fn=None, hash_block_size=16)
+    layout = R3Layout(num_layers=4, top_k=2, num_experts=8, block_size=16, dense_layers=())
+    context = KeysContext(StoreAddress(root="/dev/shm/x", name="s"), "m", layout)
+    connector._keys_context = context
+    keys: list[Any] = []
+    connector._keys_requests["k"] = keys
+    running = SimpleNamespace(
+        request_id="k",
+        num_tokens=17,
+        status=RequestStatus.RUNNING,
+        is_finished=lambda: False,
+        block_hashes=[b"a" * 32],
+        sampling_params=SimpleNamespace(routed_experts_prompt_start=0),
+    )
+    assert connector.take_output(running, StepResult(entries={})) is None
+    connector.set_weight_version("step-2")
+    running.block_hashes = [b"a" * 32, b"b" * 32]
+    running.num_tokens = 33
+    assert connector.take_output(running, StepResult(entries={})) is None
+    before = context.namespace(DEFAULT_WEIGHT_VERSION)
+    assert keys == [
+        *full_block_keys(before, [b"a" * 32]),
+        *full_block_keys(context.namespace("step-2"), [b"b" * 32]),
+    ]
 
 
 def test_a_vllm_without_a_hooked_name_fails_at_install_with_a_typed_error() -> None:

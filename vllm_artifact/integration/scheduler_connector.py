@@ -57,6 +57,7 @@ from vllm_artifact.core.held_rows import HeldRows
 from vllm_artifact.core.keys import (
     DEFAULT_WEIGHT_VERSION,
     KeyCache,
+    Namespace,
     ObjectKey,
     check_weight_version,
     tail_block_key,
@@ -133,6 +134,9 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         # Keys-only requests that share a prompt prefix (the samples of one prompt, the turns
         # of a conversation) share its blocks' keys: made once on this thread, not per request.
         self._key_cache = KeyCache()
+        # The keys' namespace, made once per rank-zero context and weight version (making one
+        # costs microseconds, asked for by every running keys-only request every step).
+        self._namespace: tuple[KeysContext, str, Namespace] | None = None
         # Requests whose rows are held until their last step (module docstring): those whose
         # first rows have not gone out yet, then the rows of their steps since.
         self._hold_pending: set[str] = set()
@@ -411,7 +415,9 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 else self._cut_rows(request, token_start, step_rows)
             )
             if rows is not None:
-                digest = self._keys_digests.setdefault(request.request_id, RowsDigest())
+                digest = self._keys_digests.get(request.request_id)
+                if digest is None:
+                    digest = self._keys_digests[request.request_id] = RowsDigest()
                 digest.add(rows)
         finished = request.is_finished() and request.status in _PUBLISH_TAIL_STATUSES
         context, bs = self._keys_context, self._hash_block_size
@@ -419,7 +425,14 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             if finished:  # never answer a finished keys-only request without its handle
                 raise InternalError("rank zero's store address has not arrived")
             return None
-        namespace = context.namespace(self.weight_version)
+        made = self._namespace
+        if made is None or made[0] is not context or made[1] != self.weight_version:
+            made = self._namespace = (
+                context,
+                self.weight_version,
+                context.namespace(self.weight_version),
+            )
+        namespace = made[2]
         block_hashes = request.block_hashes
         if len(block_hashes) > len(keys):
             keys += self._key_cache.keys_of(namespace, list(block_hashes[len(keys) :]))

@@ -94,8 +94,8 @@ class R3Reader:
     def published(self, handle: R3Keys) -> bool:
         """Whether every object of ``handle`` is in its store now (no wait, no read). A store
         that cannot be opened counts as published: :meth:`read` then says what is wrong."""
-        keys, _, _ = handle.object_keys()
         try:
+            keys, _, _ = handle.object_keys()
             return all(self._store(handle, fresh=False).exists(keys))
         except Exception:  # the read reports it, with its reason
             return True

@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Container, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -86,12 +86,20 @@ def _check(output: Any, completion: Any, handle: R3Keys) -> None:
         _fail(output, completion, failure)
 
 
-def check_outputs(outputs: Iterable[Any]) -> None:
-    """Read every keys handle of finished ``outputs``; fail those that do not resolve."""
+def _finished_handles(outputs: Iterable[Any]) -> Iterable[tuple[Any, Any, R3Keys]]:
+    """(output, completion, handle) of every keys handle of the finished ``outputs``."""
     for output in outputs:
         if getattr(output, "finished", False):
             for completion, handle in _handles(output):
-                _check(output, completion, handle)
+                yield output, completion, handle
+
+
+def check_outputs(outputs: Iterable[Any], *, read_already: Container[int] = ()) -> None:
+    """Read every keys handle of finished ``outputs`` but those of the completions whose
+    ``id`` is in ``read_already``; fail those that do not resolve."""
+    for output, completion, handle in _finished_handles(outputs):
+        if id(completion) not in read_already:
+            _check(output, completion, handle)
 
 
 class OfflineHandles:
@@ -107,25 +115,19 @@ class OfflineHandles:
     def step_done(self, step_outputs: Iterable[Any]) -> None:
         """After an engine step: read what has been published since, then queue this
         step's finished handles (their last objects come with the next step)."""
-        reader = default_reader()
-        while self._waiting and reader.published(self._waiting[0][2]):
-            output, completion, handle = self._waiting.popleft()
-            self._checked.add(id(completion))
-            _check(output, completion, handle)
-        for output in step_outputs:
-            if getattr(output, "finished", False):
-                for completion, handle in _handles(output):
-                    self._waiting.append((output, completion, handle))
+        if self._waiting:
+            reader = default_reader()
+            while self._waiting and reader.published(self._waiting[0][2]):
+                output, completion, handle = self._waiting.popleft()
+                self._checked.add(id(completion))
+                _check(output, completion, handle)
+        self._waiting.extend(_finished_handles(step_outputs))
 
     def finish(self, outputs: Iterable[Any]) -> None:
         """Every handle of the run's ``outputs`` not read yet (waiting, bounded, for its
         objects); the outputs the steps never showed included."""
         self._waiting.clear()
-        for output in outputs:
-            if getattr(output, "finished", False):
-                for completion, handle in _handles(output):
-                    if id(completion) not in self._checked:
-                        _check(output, completion, handle)
+        check_outputs(outputs, read_already=self._checked)
 
 
 #: the offline run in progress on this thread (``LLM._run_engine`` steps its engine on the

@@ -662,3 +662,23 @@ def test_rounds_with_a_full_collection_in_the_frontend_are_counted_and_left_out(
     assert line.endswith("), n=3")
     assert pool.full_gc([pairs[0], pairs[2]]) is None  # none ran one
     assert pool.frontend_full_gc({"seconds": 1.0}) == 0.0  # no GC records
+
+
+def test_a_runs_results_are_read_from_its_packed_tarball_when_the_folder_keeps_no_copy(
+    tmp_path: Path,
+) -> None:
+    """Results folders keep ``perf.tgz`` alone: pool.py and analyze.py read the file inside."""
+    import json
+    import tarfile
+
+    packed = tmp_path / "packing"
+    packed.mkdir()
+    (packed / "results.json").write_text(json.dumps({"results": [{"seed": 7}]}))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    with tarfile.open(folder / "perf.tgz", "w:gz") as tar:
+        tar.add(packed / "results.json", arcname="./results.json")
+    for given in (folder, folder / "results.json", folder / "perf.tgz"):
+        assert analyze.load_results(given) == {"results": [{"seed": 7}]}
+    (folder / "results.json").write_text(json.dumps({"results": []}))  # a copy, where kept, wins
+    assert analyze.load_results(folder) == {"results": []}

@@ -274,6 +274,23 @@ def print_waits(runs: list[dict[str, Any]], config: str) -> None:
         print(f"    {config:<7} {field}: " + "; ".join(cells))
 
 
+def load_results(path: Path) -> dict[str, Any]:
+    """A run's ``results.json``: the file itself, or read from the ``perf.tgz`` beside it (or
+    given) that run.sh packs, so results folders keep the tarball alone, not a copy of it."""
+    if path.is_dir():
+        path = path / "results.json"
+    if path.suffix != ".tgz" and not path.exists():
+        path = path.parent / "perf.tgz"
+    if path.suffix != ".tgz":
+        return dict(json.loads(path.read_text()))
+    with tarfile.open(path) as tar:
+        member = next(m for m in tar.getmembers() if Path(m.name).name == "results.json")
+        packed = tar.extractfile(member)
+        if packed is None:
+            raise FileNotFoundError(f"{path}: results.json is not a file")
+        return dict(json.loads(packed.read()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
@@ -284,11 +301,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     folder = args.path
-    if folder.suffix == ".tgz":
+    packed = folder if folder.suffix == ".tgz" else folder / "perf.tgz"
+    if not (folder / "results.json").exists() and packed.exists():
         folder = Path(tempfile.mkdtemp())
-        with tarfile.open(args.path) as tar:
+        with tarfile.open(packed) as tar:
             tar.extractall(folder, filter="data")
-    data = json.loads((folder / "results.json").read_text())
+    data = load_results(folder)
     args.rate = args.rate or data.get("spy_rate", 250)
     timed = [r for r in data["results"] if not r.get("profiled")]
     if not timed:

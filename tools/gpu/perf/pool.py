@@ -2,7 +2,8 @@
 
     python tools/gpu/perf/pool.py RUN.json [RUN.json ...]
 
-Each argument is a run's ``results.json`` (inside the ``perf.tgz`` run.sh packs). A round runs
+Each argument is a run's ``results.json``, its folder or its ``perf.tgz`` (run.sh packs the
+file in it; a folder keeps the tarball alone). A round runs
 the configurations back to back on one machine, so its ratios are the side-by-side figures;
 pooling rounds of several runs gives more of them than one device call can hold. Profiled
 rounds (slowed by py-spy) are left out.
@@ -60,14 +61,13 @@ that differ most are listed with the median of the rounds' whole difference.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from analyze import step_durations, step_gaps
+from analyze import load_results, step_durations, step_gaps
 from report import PAIRS, geomean_ci
 
 
@@ -382,7 +382,7 @@ def main() -> None:
     rounds: dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]] = {}
     repeats: dict[tuple[int, str], int] = {}  # (run, workload) -> its rounds' --repeat
     for index, path in enumerate(args.runs):
-        for result in json.loads(path.read_text())["results"]:
+        for result in load_results(path)["results"]:
             if result.get("profiled") or not result.get("steps"):
                 continue
             repeats[index, result["workload"]] = result.get("repeat", 1)

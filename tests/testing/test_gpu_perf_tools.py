@@ -682,3 +682,26 @@ def test_a_runs_results_are_read_from_its_packed_tarball_when_the_folder_keeps_n
         assert analyze.load_results(given) == {"results": [{"seed": 7}]}
     (folder / "results.json").write_text(json.dumps({"results": []}))  # a copy, where kept, wins
     assert analyze.load_results(folder) == {"results": []}
+
+
+def test_step_timers_count_a_parts_heavy_calls_apart_and_the_report_shows_them() -> None:
+    """A part's CPU in calls of 1 ms or more: whether it is spent in a few steps or in all."""
+    import engine_hooks
+
+    def busy(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    entry: list[float] = [0, 0.0, 0.0, 0, 0.0]
+    timed = engine_hooks.timed_calls(entry, busy)
+    for seconds in (0.0001, 0.0001, 0.003, 0.0001):
+        timed(seconds)
+    assert entry[0] == 4 and entry[3] == 1
+    assert 0.003 <= entry[4] < entry[1] and entry[1] < 0.0035 + 0.0003 + 0.002
+    timers = [{"worker_connector.process_output": [267, 0.236, 0.24, 16, 0.150]}] * 3
+    assert report.heavy_calls(timers) == (
+        "CPU in calls of 1 ms or more per round, ms (median): "
+        "worker_connector.process_output 150.0 in 16 of 267 calls"
+    )
+    assert report.heavy_calls([{"scheduler.schedule": [1, 0.1, 0.1]}]) is None  # older runs

@@ -74,6 +74,34 @@ def python_profile(_: Any = None, stop: bool = False, dump: str = "") -> str:
     return out.getvalue()
 
 
+#: a timed call with this much CPU or more counts as heavy (``step_timers``)
+HEAVY_CALL_S = 0.001
+
+
+def timed_calls(entry: list[float], original: Any) -> Any:
+    """``original``, adding to ``entry`` (``[calls, CPU s, wall s, heavy calls, their CPU s]``)
+    at each call; CPU by the calling thread's clock."""
+    import functools
+
+    clock, wall = time.thread_time, time.perf_counter
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started, started_wall = clock(), wall()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            cpu = clock() - started
+            entry[0] += 1
+            entry[1] += cpu
+            entry[2] += wall() - started_wall
+            if cpu >= HEAVY_CALL_S:
+                entry[3] += 1
+                entry[4] += cpu
+
+    return wrapper
+
+
 def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
     """CPU time of the engine core's main thread in the step's parts, by thread CPU clocks
     around them (installed on first call; ``read`` returns and resets the totals): the
@@ -81,11 +109,12 @@ def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
     connector's per-request ``take_output`` runs inside the latter), the R3 connectors'
     per-step methods on both sides and vLLM's per-layer capture (R3 configurations; eager
     steps only, a CUDA graph replays it without Python). A few microseconds a step.
-    Name -> [calls, CPU seconds, wall seconds]: wall less CPU is the time the calls waited
-    (for the GIL, for the connector's lock while another thread holds it, for the tracker
-    process). Runs where collective_rpc runs: on a one-GPU engine the engine core's process,
+    Name -> [calls, CPU seconds, wall seconds, heavy calls, their CPU seconds]: wall less
+    CPU is the time the calls waited (for the GIL, for the connector's lock while another
+    thread holds it, for the tracker process); heavy calls took ``HEAVY_CALL_S`` of CPU or
+    more (a part's cost in a few steps, as prefill or block-completing steps, or in every
+    step). Runs where collective_rpc runs: on a one-GPU engine the engine core's process,
     where the scheduler lives too."""
-    import functools
 
     import vllm.v1.core.sched.scheduler as scheduler_module
 
@@ -94,27 +123,14 @@ def step_timers(worker: Any, read: bool = False) -> dict[str, list[float]]:
         if read:
             found = {name: list(entry) for name, entry in totals.items()}
             for entry in totals.values():
-                entry[0], entry[1], entry[2] = 0, 0.0, 0.0
+                entry[:] = [0, 0.0, 0.0, 0, 0.0]
             return found
         return {}
     totals = {}
     scheduler_module._perf_step_timers = totals  # type: ignore[attr-defined]
 
     def timed(name: str, original: Any) -> Any:
-        entry = totals.setdefault(name, [0, 0.0, 0.0])
-        clock, wall = time.thread_time, time.perf_counter
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started, started_wall = clock(), wall()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                entry[0] += 1
-                entry[1] += clock() - started
-                entry[2] += wall() - started_wall
-
-        return wrapper
+        return timed_calls(totals.setdefault(name, [0, 0.0, 0.0, 0, 0.0]), original)
 
     def wrap_class(cls: type, names: tuple[str, ...], prefix: str) -> None:
         for name in names:

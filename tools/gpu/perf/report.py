@@ -119,6 +119,9 @@ def summary(results: list[dict[str, Any]], configs: list[str], workloads: list[s
             waits = timed_waits(timers)
             if waits:
                 lines.append(f"  {config:<7} {waits}")
+            heavy = heavy_calls(timers)
+            if heavy:
+                lines.append(f"  {config:<7} {heavy}")
         for config in configs:
             line = keys_reading(r for r in rows if r["config"] == config)
             if line:
@@ -226,6 +229,24 @@ def keys_reading(runs: Iterable[dict[str, Any]]) -> str | None:
         f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; handles not read {failed}"
         + (f" (first: {first})" if first else "")
     )
+
+
+def heavy_calls(timers: list[dict[str, list[float]]]) -> str | None:
+    """Of each timed part's CPU a round, the share in its heavy calls (1 ms of CPU or more,
+    ``engine_hooks.HEAVY_CALL_S``): medians over rounds of their CPU in ms and their count;
+    None where the rounds did not record them."""
+    names = sorted({n for t in timers for n, entry in t.items() if len(entry) > 4})
+    if not names:
+        return None
+
+    def median(n: str, field: int) -> float:
+        return statistics.median(t[n][field] if len(t.get(n, ())) > 4 else 0.0 for t in timers)
+
+    parts = ", ".join(
+        f"{n} {median(n, 4) * 1e3:.1f} in {median(n, 3):.0f} of {median(n, 0):.0f} calls"
+        for n in names
+    )
+    return f"CPU in calls of 1 ms or more per round, ms (median): {parts}"
 
 
 def timed_waits(timers: list[dict[str, list[float]]]) -> str | None:

@@ -1,6 +1,6 @@
 """Per-round speed ratios pooled over several ``driver.py`` runs (each on its own machine).
 
-    python tools/gpu/perf/pool.py RUN.json [RUN.json ...]
+    python tools/gpu/perf/pool.py RUN [RUN ...]
 
 Each argument is a run's ``results.json``, its folder or its ``perf.tgz`` (run.sh packs the
 file in it; a folder keeps the tarball alone). A round runs

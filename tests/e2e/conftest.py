@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
-from vllm_artifact_testing.chaos import sigkill_processes
+from vllm_artifact_testing.chaos import sigkill_processes, vllm_shm_segments
 from vllm_artifact_testing.engine_env import ENGINE_KWARGS, apply_cpu_engine_env
 
 from vllm_artifact.selftest.tiny_models import ensure_tiny_model
@@ -61,7 +61,11 @@ def kill_llm(llm: Any) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             core = psutil.Process(engine.pid)
             processes += [core, *core.children(recursive=True)]
+    segments = vllm_shm_segments(processes)
     sigkill_processes(processes)
+    for segment in segments:  # vLLM unlinks them only on a clean shutdown
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment)
     llm._test_shut_down = True
     # The processes are gone: this closes the client's sockets. vLLM may ask an exited child
     # for its name, which is fine.

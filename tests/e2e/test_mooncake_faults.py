@@ -59,8 +59,11 @@ def prompt(tag: str, sentences: int = 12) -> str:
     return f"{tag}: {body}"
 
 
-def engine_settings(master: MooncakeMaster, **overrides: Any) -> dict[str, Any]:
+def engine_settings(master: MooncakeMaster, root: Path, **overrides: Any) -> dict[str, Any]:
+    """A Mooncake-backed engine; ``root`` holds its store's local files (its metrics), never
+    the user's default root."""
     return {
+        "artifact_root": str(root),
         "artifact_backend": "mooncake",
         "artifact_mooncake_master": master.master_address,
         "artifact_mooncake_metadata": master.metadata_url,
@@ -206,9 +209,10 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 @pytest.fixture(scope="module")
-def llm(model_a: Path, master: MooncakeMaster, llm_factory: Any) -> Any:
+def llm(model_a: Path, master: MooncakeMaster, store_root: Path, llm_factory: Any) -> Any:
     """An engine whose objects sit in its own segment, Mooncake's smallest (16 MiB)."""
-    engine = llm_factory(model_a, **engine_settings(master, artifact_capacity="16MiB"))
+    settings = engine_settings(master, store_root / "own-segment", artifact_capacity="16MiB")
+    engine = llm_factory(model_a, **settings)
     capture_publisher_log(engine)
     return engine
 
@@ -367,11 +371,12 @@ def node_master() -> Iterator[MooncakeMaster]:
 
 
 def test_dead_store_node_fails_hits_closed_and_fresh_prompts_are_served_unpublished(
-    model_a: Path, node_master: MooncakeMaster, llm_factory: Any
+    model_a: Path, node_master: MooncakeMaster, store_root: Path, llm_factory: Any
 ) -> None:
     master = node_master
     with mooncake_store_node(master) as node:
-        llm = llm_factory(model_a, **engine_settings(master, artifact_mooncake_segment=0))
+        settings = engine_settings(master, store_root / "store-node", artifact_mooncake_segment=0)
+        llm = llm_factory(model_a, **settings)
         capture_publisher_log(llm)
         stored = prompt("On the store node")
         first = generate(llm, stored)

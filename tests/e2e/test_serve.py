@@ -34,7 +34,11 @@ def servers(model_a: Path, model_b: Path, store_root: Path) -> Iterator[list[Run
     args_a = ["--enable-routed-experts", "--enable-prompt-tokens-details", "--enable-scale-out"]
     # The upstream spelling --enable-return-routed-experts keeps working.
     args_b = ["--enable-return-routed-experts"]
-    specs = [(model_a, [*args_a, "--artifact-root", str(store_root)]), (model_b, args_b)]
+    # Each in a root of the module's own: never the user's default root.
+    specs = [
+        (model_a, [*args_a, "--artifact-root", str(store_root)]),
+        (model_b, [*args_b, "--artifact-root", str(store_root / "server-b")]),
+    ]
     # Dev mode serves vLLM's RL endpoints (/update_weight_version, /finish_weight_update).
     with vllm_servers(specs, env={"VLLM_SERVER_DEV_MODE": "1"}) as started:
         yield started

@@ -52,6 +52,21 @@ def sigkill(parent_pid: int, target: str) -> list[int]:
     return sigkill_processes(victims)
 
 
+def vllm_shm_segments(processes: list[psutil.Process]) -> set[str]:
+    """The ``/dev/shm`` segments of vLLM's own that ``processes`` map (its CPU build's tensor-
+    parallel ``vllm_dist_*`` buffers): a SIGKILL leaves them behind, so the killer unlinks
+    them."""
+    segments: set[str] = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            segments.update(
+                region.path
+                for region in process.memory_maps()
+                if region.path.startswith("/dev/shm/vllm_dist_")
+            )
+    return segments
+
+
 def sigkill_processes(processes: list[psutil.Process]) -> list[int]:
     """SIGKILL ``processes`` and wait until they are gone; raises if one outlives 30 s."""
     for process in processes:

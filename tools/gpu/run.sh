@@ -104,6 +104,12 @@ for phase in "$@"; do
                 | tee "$OUT/perf.txt" || status=1
             tar czf "$OUT/perf.tgz" -C "$OUT/perf" . && rm -rf "$OUT/perf"
             ;;
+        connector-step)  # the connectors' CPU per step on this host's CPUs, no GPU (beside perf's
+            # step timers: what the same work costs here against the CPU machine)
+            python3 tools/gpu/perf/floor.py | tee "$OUT/connector-step-floor.txt"
+            python3 benchmarks/bench_connector_step.py ${CONNECTOR_STEP_FLAGS:---workload decode-batch} \
+                2>&1 | grep -v " INFO " | tee "$OUT/connector-step.txt" || status=1
+            ;;
         matrix)  # bf16 vs vLLM's own, EAGLE, native CPU KV offload, restart (tools/gpu/matrix.py)
             python3 tools/gpu/matrix.py --engine-args "$ENGINE_ARGS" --out "$OUT/matrix" \
                 ${MATRIX_FLAGS:-} 2>&1 | tee "$OUT/matrix.log" | grep -v " INFO " || status=1

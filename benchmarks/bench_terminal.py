@@ -16,7 +16,9 @@ plus ``pybase64.b64encode``). Timed side by side, round robin, on the same 14.5 
 * the keys-only handoff (``routed_experts_format="keys"``): what the scheduler does at the
   request's end (keys from the KV block hashes, the ``R3Keys`` JSON) and what a trainer on the
   node does with it (``R3Reader.read``: parse, look up, copy with checksums verified), next to
-  the array path's server encode + client decode.
+  the array path's server encode + client decode; and the frontend's check before it answers
+  (``R3Reader.verify`` from the objects' envelopes against a read of every payload), with the
+  digest the engine makes of the request's rows for each;
 
 Targets (issue 6): ours <= 1.25x vLLM's path and <= 8 ms in total; client decode <= 6 ms.
 
@@ -73,9 +75,10 @@ from vllm.utils.serial_utils import numpy2base64
 
 from vllm_artifact.client import R3Keys, R3Reader, decode_routed_experts
 from vllm_artifact.core import Namespace, R3Layout, full_block_keys
-from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.handoff import RowsDigest, StoreAddress
 from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, empty_npy_file, encode_npy_base64
+from vllm_artifact.core.objects_digest import objects_digest
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.integration.hooks import WRAPPED_MARK
 
@@ -343,6 +346,15 @@ def measure(
     handle_json = k_handle()
     reader = R3Reader()
     assert np.array_equal(reader.read(handle_json).experts, data)
+    # The frontend's check before it answers: from the envelopes (the handle's objects digest,
+    # the engine's usual) against a read of every payload (the rows digest).
+    plain = R3Keys.from_json(handle_json)
+    objects_json = plain.model_copy(
+        update={"objects_xxh3": objects_digest(layout, keys, 0, data)}
+    ).to_json()
+    rows_json = plain.model_copy(update={"rows_xxh3": RowsDigest.of(data)}).to_json()
+    assert reader.envelopes_match(R3Keys.from_json(objects_json)) is True
+    assert np.array_equal(reader.read(rows_json).experts, data)
 
     rounds = Rounds()
     rounds.add("copy", lambda: data.copy())
@@ -367,6 +379,10 @@ def measure(
     rounds.add("k_handle", k_handle)
     rounds.add("k_keys", lambda: full_block_keys(ns, block_hashes))
     rounds.add("k_read", lambda: reader.read(handle_json))
+    rounds.add("k_digest_objects", lambda: objects_digest(layout, keys, 0, data))
+    rounds.add("k_digest_rows", lambda: RowsDigest.of(data))
+    rounds.add("k_check", lambda: reader.verify(objects_json))
+    rounds.add("k_check_rows", lambda: reader.read(rows_json))
     rounds.run(reps)
     reader.close()
     r = {name: rounds[name] for name in rounds.times}
@@ -452,6 +468,22 @@ def report(
     print(line("server, at the end: R3Keys JSON", r["k_handle"]))
     print(line("server, spread over the steps: keys of the blocks", r["k_keys"]))
     print(line("trainer: R3Reader.read (checksums verified)", r["k_read"]))
+    print(
+        line(
+            "server, over the steps: objects digest",
+            r["k_digest_objects"],
+            r["k_digest_rows"][0],
+            "the rows digest",
+        )
+    )
+    print(
+        line(
+            "frontend: R3Reader.verify from the envelopes",
+            r["k_check"],
+            r["k_check_rows"][0],
+            "a read (rows digest)",
+        )
+    )
     print(
         f"  keys path (all three) {keys_path * 1e3:.2f} ms vs array path (ours encode + client "
         "decode) "

@@ -184,6 +184,8 @@ def test_keys_only_handoff_reads_back_the_array_paths_rows(llm_a: Any, model_a: 
     for by_array, by_keys in zip(arrays, keyed, strict=True):
         handle = by_keys.outputs[0].routed_experts
         assert isinstance(handle, R3Keys), handle
+        # rows from token 0: the frontend checked the objects' envelopes, not their payloads
+        assert handle.objects_xxh3 is not None and handle.rows_xxh3 is None, handle
         assert list(by_keys.outputs[0].token_ids) == list(by_array.outputs[0].token_ids)
         read = read_r3_keys(handle)
         np.testing.assert_array_equal(read.experts, by_array.outputs[0].routed_experts)
@@ -208,6 +210,7 @@ def test_keys_only_handoff_reads_back_the_array_paths_rows(llm_a: Any, model_a: 
 
     start = SamplingParams(**_greedy_args(), routed_experts_prompt_start=20, extra_args=KEYS)
     late = llm_a.generate([LONG_PROMPT], start)[0]
+    assert late.outputs[0].routed_experts.rows_xxh3 is not None  # rows from mid-block
     read = read_r3_keys(late.outputs[0].routed_experts).experts
     np.testing.assert_array_equal(read, arrays[0].outputs[0].routed_experts[20:])
 

@@ -21,6 +21,7 @@ from vllm_artifact.client import reader as client_reader
 from vllm_artifact.core import Namespace, R3Layout, full_block_keys
 from vllm_artifact.core.failure import r3_failure
 from vllm_artifact.core.handoff import R3Keys, RowsDigest, StoreAddress
+from vllm_artifact.core.objects_digest import objects_digest
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.integration.hooks import after_import, keys_answer, request_errors
 
@@ -52,7 +53,14 @@ def finished_output(request_id: str, handles: list[R3Keys]) -> Any:
     return SimpleNamespace(request_id=request_id, finished=True, outputs=completions)
 
 
-def handle(store: ShmStore, keys: list, rows: np.ndarray) -> R3Keys:
+def handle(store: ShmStore, keys: list, rows: np.ndarray, *, digest: str = "rows") -> R3Keys:
+    """A handle of ``rows`` under ``keys`` with the rows' digest (as the engine makes it for
+    rows that do not start at a block boundary) or the objects' (the usual)."""
+    digests = (
+        {"rows_xxh3": RowsDigest.of(rows)}
+        if digest == "rows"
+        else {"objects_xxh3": objects_digest(LAYOUT, keys, 0, rows)}
+    )
     return R3Keys.of(
         store=StoreAddress(root=store.root, name=store.name),
         layout=LAYOUT.canonical(),
@@ -62,7 +70,7 @@ def handle(store: ShmStore, keys: list, rows: np.ndarray) -> R3Keys:
         num_rows=len(rows),
         keys=keys,
         last_block_tokens=16,
-        rows_xxh3=RowsDigest.of(rows),
+        **digests,
     )
 
 
@@ -206,3 +214,39 @@ def test_offline_handles_are_read_once_published_and_the_rest_at_the_end(
         assert output.outputs[0].finish_reason == "length"
     failure = r3_failure(third.outputs[0].stop_reason)
     assert failure is not None and failure.reason == "missing"
+
+
+def test_an_offline_run_checks_objects_digests_from_envelopes_alone(
+    store: ShmStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handles with the objects' digest (the engine's usual) are answered from the objects'
+    envelopes at the first step that finds them all published: no payload is read, and one
+    whose objects hold another request's routing still fails closed (a read says why)."""
+    payload_reads: list[int] = []
+    real = ShmStore.read_into
+
+    def counted(self: ShmStore, keys: Any, out: Any, **kwargs: Any) -> None:
+        payload_reads.append(len(keys))
+        real(self, keys, out, **kwargs)
+
+    monkeypatch.setattr(ShmStore, "read_into", counted)
+    rows = np.arange(32 * 8, dtype=np.uint8).reshape(32, 4, 2) % 8
+    keys = full_block_keys(NS, [b"j", b"k"])
+    late = full_block_keys(NS, [b"l"])
+    store.put_blocks(keys, rows, 0)
+    theirs = rows.copy()
+    theirs[20, 2, 1] = (theirs[20, 2, 1] + 1) % 8
+    own = finished_output("cmpl-own-0", [handle(store, keys, rows, digest="objects")])
+    other = finished_output("cmpl-other-0", [handle(store, keys, theirs, digest="objects")])
+    later = finished_output("cmpl-later-0", [handle(store, late, rows[:16], digest="objects")])
+    run = keys_answer.OfflineHandles()
+    run.step_done([own, other, later])
+    store.put_blocks(late, rows[:16], 0)
+    run.step_done([])
+    run.finish([own, other, later])
+    for output in (own, later):
+        assert output.outputs[0].finish_reason == "length"
+    assert other.outputs[0].finish_reason == "error"
+    failure = r3_failure(other.outputs[0].stop_reason)
+    assert failure is not None and failure.reason == "collision"
+    assert payload_reads == [2]  # the refused handle's read, for its message

@@ -7,8 +7,10 @@ to appear, then copies the rows with the store's checks: key, envelope and xxh3 
 every object, seqlock retries against a concurrent writer. A key that stays absent (evicted,
 or never published because the request's R3 failed) raises :class:`ObjectMissingError`, a
 damaged object :class:`ObjectCorruptError`, objects holding other routing than the handle's
-request used (its ``rows_xxh3`` differs) :class:`KeyCollisionError`; a reader never returns
-partial or another request's R3.
+request used (its ``objects_xxh3`` or ``rows_xxh3`` differs) :class:`KeyCollisionError`; a
+reader never returns partial or another request's R3. :meth:`R3Reader.verify` answers the
+same question without the rows, from the objects' envelopes where it can (the frontend's
+check before it answers a keys request).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from vllm_artifact.client.experts import RoutedExperts
 from vllm_artifact.core.handoff import R3Keys, RowsDigest, StoreAddress
+from vllm_artifact.core.objects_digest import digest_of_checksums, objects_digest
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ObjectStore, ShmStore
 from vllm_artifact.errors import KeyCollisionError, ObjectMissingError, SchemaError
@@ -81,7 +84,10 @@ class R3Reader:
                 ) from None
         skip = handle.first_row - first_token
         rows = out[skip : skip + handle.num_rows]
-        if handle.rows_xxh3 is not None and RowsDigest.of(rows) != handle.rows_xxh3:
+        if (
+            handle.objects_xxh3 is not None
+            and objects_digest(store.layout, keys, first_token, out) != handle.objects_xxh3
+        ) or (handle.rows_xxh3 is not None and RowsDigest.of(rows) != handle.rows_xxh3):
             raise KeyCollisionError(
                 f"R3 store {handle.store.describe()} holds other routing under "
                 "this handle's keys than its request used (another request published the same "
@@ -91,14 +97,42 @@ class R3Reader:
             )
         return RoutedExperts(rows, store.layout.dense_layers)
 
-    def published(self, handle: R3Keys) -> bool:
-        """Whether every object of ``handle`` is in its store now (no wait, no read). A store
-        that cannot be opened counts as published: :meth:`read` then says what is wrong."""
+    def envelopes_match(self, handle: R3Keys) -> bool | None:
+        """Whether ``handle`` resolves, told without reading payloads where its store keeps
+        envelopes apart (``/dev/shm``) and the handle carries ``objects_xxh3``: True when
+        every object is published with exactly the envelope checksums of the request's rows;
+        None while some are not published yet; False when a :meth:`read` must decide (no
+        such digest or store, other checksums, a store that cannot be opened: the read then
+        says what is wrong). A payload damaged since it was published is caught by the read
+        of whoever takes the rows: every read checks every object's checksum."""
         try:
             keys, _, _ = handle.object_keys()
-            return all(self._store(handle, fresh=False).exists(keys))
+            store = self._store(handle, fresh=False)
+            if not (handle.objects_xxh3 is not None and store.reads_envelopes):
+                return False if all(store.exists(keys)) else None
+            sums = store.envelope_checksums(keys)
         except Exception:  # the read reports it, with its reason
-            return True
+            return False
+        if sums is None:
+            return None
+        return digest_of_checksums(sums) == handle.objects_xxh3
+
+    def verify(
+        self, handle: R3Keys | str | bytes | Mapping[str, Any], *, timeout: float | None = None
+    ) -> None:
+        """Raise as :meth:`read` would if ``handle`` does not resolve to its request's rows,
+        from the envelopes alone where :meth:`envelopes_match` can tell (a read otherwise).
+        Waits, bounded by ``timeout``, for the engine to publish the last objects."""
+        if not isinstance(handle, R3Keys):
+            handle = R3Keys.from_json(handle)
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while (match := self.envelopes_match(handle)) is None:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        if not match:
+            self.read(handle, timeout=max(0.0, deadline - time.monotonic()))
 
     def _store(self, handle: R3Keys, *, fresh: bool) -> ObjectStore:
         address = handle.store

@@ -129,6 +129,11 @@ class R3Keys(BaseModel):
     #: by token hashes; another request may have published the same blocks first with other
     #: routing (nondeterministic kernels), and the store keeps the first.
     rows_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    #: The same guarantee for a handle whose rows start at a block boundary (the usual: the
+    #: whole prompt), checkable from the objects' 64-byte envelopes alone: xxh3-128 (hex) of
+    #: the envelope checksums the store gives objects holding the request's rows
+    #: (``core/objects_digest.py``). The engine sends one of the two.
+    objects_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
 
     @model_validator(mode="after")
     def _rows_within_keys(self) -> R3Keys:
@@ -161,6 +166,7 @@ class R3Keys(BaseModel):
         keys: list[ObjectKey],
         last_block_tokens: int,
         rows_xxh3: str | None = None,
+        objects_xxh3: str | None = None,
         trusted: bool = False,
     ) -> R3Keys:
         """A handle from its parts; ``trusted=True`` (the engine's own, derived values) skips
@@ -175,6 +181,7 @@ class R3Keys(BaseModel):
             keys=[key.hex() for key in keys],
             last_block_tokens=last_block_tokens,
             rows_xxh3=rows_xxh3,
+            objects_xxh3=objects_xxh3,
         )
 
     def object_keys(self) -> tuple[list[ObjectKey], int, int]:

@@ -62,6 +62,7 @@ from vllm_artifact.core.keys import (
     check_weight_version,
     tail_block_key,
 )
+from vllm_artifact.core.objects_digest import ObjectsDigest, handle_digest
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
 from vllm_artifact.integration.kv_events import eviction_ids
@@ -127,7 +128,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         # ... the digest of the rows they would have returned (the handle carries it, so it
         # resolves to exactly these rows or not at all), this step's rows, and the ids whose
         # handle was answered, sent to rank zero to lease the handle's objects.
-        self._keys_digests: dict[str, RowsDigest] = {}
+        self._keys_digests: dict[str, RowsDigest | ObjectsDigest] = {}
         self._keys_rows: dict[str, tuple[int, np.ndarray]] = {}
         self._leases: list[str] = []
         self._keys_context: KeysContext | None = None
@@ -406,7 +407,22 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         weight version this connector sends with every step), from the request's KV block
         hashes and the tail hash that :meth:`request_finished` sends to the worker.
         """
-        entry = self._keys_rows.get(request.request_id)
+        context, bs = self._keys_context, self._hash_block_size
+        namespace = None
+        if context is not None and bs is not None:
+            made = self._namespace
+            if made is None or made[0] is not context or made[1] != self.weight_version:
+                made = self._namespace = (
+                    context,
+                    self.weight_version,
+                    context.namespace(self.weight_version),
+                )
+            namespace = made[2]
+            block_hashes = request.block_hashes
+            if len(block_hashes) > len(keys):
+                keys += self._key_cache.keys_of(namespace, list(block_hashes[len(keys) :]))
+        rid = request.request_id
+        entry = self._keys_rows.get(rid)
         if entry is not None:  # the rows the array path would return this step
             token_start, step_rows = entry
             rows = (
@@ -415,47 +431,43 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 else self._cut_rows(request, token_start, step_rows)
             )
             if rows is not None:
-                digest = self._keys_digests.get(request.request_id)
+                digest = self._keys_digests.get(rid)
                 if digest is None:
-                    digest = self._keys_digests[request.request_id] = RowsDigest()
+                    digest = self._keys_digests[rid] = handle_digest(context, bs, token_start, keys)
                 digest.add(rows)
         finished = request.is_finished() and request.status in _PUBLISH_TAIL_STATUSES
-        context, bs = self._keys_context, self._hash_block_size
-        if context is None or bs is None:
+        if namespace is None or context is None or bs is None:
             if finished:  # never answer a finished keys-only request without its handle
                 raise InternalError("rank zero's store address has not arrived")
             return None
-        made = self._namespace
-        if made is None or made[0] is not context or made[1] != self.weight_version:
-            made = self._namespace = (
-                context,
-                self.weight_version,
-                context.namespace(self.weight_version),
-            )
-        namespace = made[2]
-        block_hashes = request.block_hashes
-        if len(block_hashes) > len(keys):
-            keys += self._key_cache.keys_of(namespace, list(block_hashes[len(keys) :]))
         if not finished:
             return None
         executed = request.num_tokens - 1
         first_row = min(request.sampling_params.routed_experts_prompt_start, executed)
         first_block, full = first_row // bs, executed // bs
         keys = keys[first_block:full]
-        last_block_tokens = bs
+        last_block_tokens, tail_key = bs, None
         if executed > full * bs:
             tail = self._tail_hash(request)
             if tail is None:
                 raise InternalError("the hash of its last, partial block cannot be made")
-            self._tails[request.request_id] = tail  # request_finished sends it to the worker
-            keys.append(tail_block_key(namespace, tail.hash, tail.num_tokens))
+            self._tails[rid] = tail  # request_finished sends it to the worker
+            tail_key = tail_block_key(namespace, tail.hash, tail.num_tokens)
+            keys.append(tail_key)
             last_block_tokens = tail.num_tokens
-        digest = self._keys_digests.get(request.request_id, RowsDigest())
+        digest = self._keys_digests.get(rid) or handle_digest(context, bs, first_row, [])
         if digest.rows != executed - first_row:
             raise InternalError(
-                f"keys-only request {request.request_id}: {digest.rows} rows seen, "
-                f"{executed - first_row} expected"
+                f"keys-only request {rid}: {digest.rows} rows seen, {executed - first_row} expected"
             )
+        if isinstance(digest, ObjectsDigest):
+            if digest.token_start != first_row:
+                raise InternalError(
+                    f"keys-only request {rid}: rows from {first_row}, not {digest.token_start}"
+                )
+            digests = {"objects_xxh3": digest.finish(tail_key)}
+        else:
+            digests = {"rows_xxh3": digest.hexdigest()}
         self._leases.append(request.request_id)
         handle = R3Keys.of(
             store=context.store,
@@ -466,8 +478,8 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             num_rows=executed - first_row,
             keys=keys,
             last_block_tokens=last_block_tokens,
-            rows_xxh3=digest.hexdigest(),
             trusted=True,
+            **digests,
         )
         return handle.to_transport()
 

@@ -75,6 +75,8 @@ class ObjectStore(ABC):
     #: process, so the engine writes large batches inline, on its step thread
     #: (``core/publisher.py``).
     writes_local_memory: ClassVar[bool] = False
+    #: :meth:`envelope_checksums` reads objects' envelopes without their payloads.
+    reads_envelopes: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -128,6 +130,12 @@ class ObjectStore(ABC):
     @abstractmethod
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is published (envelope checked, payload not hashed)."""
+
+    def envelope_checksums(self, keys: Sequence[ObjectKey]) -> list[int] | None:
+        """Each object's envelope checksum, read without its payload (the frontend's check
+        of a keys handle, ``core/objects_digest.py``), or None if any is not published.
+        Only backends with :attr:`reads_envelopes`."""
+        raise NotImplementedError(f"{type(self).__name__} does not read envelopes alone")
 
     @abstractmethod
     def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from vllm_artifact.core.envelope import HeaderWords
 from vllm_artifact.core.keys import ObjectKey, keys_to_words
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store.contract import ObjectStore, PutItem, StoreStats
@@ -61,6 +62,7 @@ class ShmStore(ObjectStore):
     """Object store backed by one mmap'd arena under /dev/shm (see module doc)."""
 
     writes_local_memory = True
+    reads_envelopes = True
 
     def __init__(
         self,
@@ -285,6 +287,16 @@ class ShmStore(ObjectStore):
             return []
         with self._mutex:
             return [bool(x) for x in self._reads.locate(keys_to_words(keys)).present.tolist()]
+
+    def envelope_checksums(self, keys: Sequence[ObjectKey]) -> list[int] | None:
+        # No mutex, as for reads: the seqlock check in locate() stands in for it.
+        if not keys:
+            return []
+        located = self._reads.locate(keys_to_words(keys))
+        if not located.present.all():
+            return None
+        sums: list[int] = located.words[:, HeaderWords.CSUM].tolist()
+        return sums
 
     def envelope_of(self, key: ObjectKey) -> np.void | None:
         """The envelope copy of ``key`` (inspection/tests), or None if absent."""

@@ -4,8 +4,11 @@ The engine makes a keys-only request's :class:`R3Keys` handle when the request f
 last objects reach the store a step later (the background publisher writes them), a failed
 publication (a full store, a stalled one) leaves them absent, and a key another request
 published first with other routing names that request's rows. So before the frontend answers,
-it reads the handle the way a trainer will (:func:`vllm_artifact.client.read_r3_keys`: waits,
-bounded, for the objects, checks every object and the rows' digest ``rows_xxh3``). A handle
+it checks the handle (:meth:`vllm_artifact.client.R3Reader.verify`: waits, bounded, for the
+objects; then compares their envelopes' checksums with the handle's ``objects_xxh3``, which
+the engine computed from the request's rows as the store does, reading no payload; a handle
+with ``rows_xxh3`` instead, or one that does not match, is read back the way a trainer reads
+it, which says what is wrong). A handle
 that does not resolve fails its request closed with the reason (HTTP 500 with the message;
 offline ``finish_reason == "error"``); the engine and every other request go on. On the API
 server the handles are read in a worker thread (``asyncio.to_thread``), so the event loop
@@ -16,8 +19,9 @@ is stepped once first: it publishes a finished request's last objects in its nex
 Frontend process only, patched when vLLM loads the module; registry: ``hooks/__init__.py``,
 hook ``keys_answer``.
 
-The cost is one read of the handle's objects in the frontend (the store's read path: a few
-milliseconds per 32K-token DeepSeek-V3 request), against shipping and encoding the rows.
+The cost is a lookup of the handle's objects in the store's index and one 64-byte envelope
+each, against shipping and encoding the rows (a full read is a copy and a checksum of every
+payload: a few milliseconds per 32K-token DeepSeek-V3 request).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import AsyncGenerator, Container, Iterable
 from types import ModuleType
 from typing import Any
 
-from vllm_artifact.client.reader import default_reader, read_r3_keys
+from vllm_artifact.client.reader import default_reader
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.errors import ArtifactError
@@ -50,7 +54,7 @@ _LLM_ENGINE = "vllm.v1.engine.llm_engine"
 def handle_failure(request_id: str, handle: R3Keys) -> R3Failure | None:
     """None if ``handle`` reads back as its request's rows, else why it does not."""
     try:
-        read_r3_keys(handle)
+        default_reader().verify(handle)
     except Exception as error:  # a reader must never take the frontend down
         reason = error.reason if isinstance(error, ArtifactError) else "internal"
         if not isinstance(error, ArtifactError):
@@ -117,10 +121,14 @@ class OfflineHandles:
         step's finished handles (their last objects come with the next step)."""
         if self._waiting:
             reader = default_reader()
-            while self._waiting and reader.published(self._waiting[0][2]):
+            while self._waiting:
+                match = reader.envelopes_match(self._waiting[0][2])
+                if match is None:  # not all published yet
+                    break
                 output, completion, handle = self._waiting.popleft()
                 self._checked.add(id(completion))
-                _check(output, completion, handle)
+                if not match:  # a read decides, and says why it does not resolve
+                    _check(output, completion, handle)
         self._waiting.extend(_finished_handles(step_outputs))
 
     def finish(self, outputs: Iterable[Any]) -> None:

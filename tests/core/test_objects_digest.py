@@ -11,7 +11,9 @@ from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, R3Reader
 from vllm_artifact.core import Namespace, full_block_keys, tail_block_key
+from vllm_artifact.core.envelope import HeaderWords
 from vllm_artifact.core.handoff import StoreAddress
+from vllm_artifact.core.keys import keys_to_words
 from vllm_artifact.core.objects_digest import ObjectsDigest, digest_of_checksums, objects_digest
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.errors import (
@@ -67,11 +69,13 @@ def test_a_digest_fed_step_by_step_equals_the_one_of_the_stores_envelopes(
     wait), the tail's key at the end; the digest is that of the checksums the store wrote."""
     block_keys, objects, rows = _request(n_full=5, tail=7, first_block=1)
     store.put_blocks(objects, rows, BS)
-    known = block_keys[:2]  # the list the scheduler extends as the KV cache hashes blocks
+    known = block_keys[:1]  # the list the scheduler extends as the KV cache hashes blocks
     digest = ObjectsDigest(SMALL, BS, known)
-    digest.add(rows[: BS + 3])  # the prompt's rows: block 1 has its key, block 2 not yet
+    digest.add(rows[: 2 * BS + 3])  # the prompt's rows: blocks 1 and 2 wait for their keys
+    known += block_keys[1:2]  # block 1's comes, block 2's not yet
+    digest.add(rows[2 * BS + 3 : 2 * BS + 5])
     known += block_keys[2:4]
-    for at in range(BS + 3, len(rows)):  # then one row a step
+    for at in range(2 * BS + 5, len(rows)):  # then one row a step
         digest.add(rows[at : at + 1])
         if at == 3 * BS:
             known += block_keys[4:]
@@ -80,6 +84,15 @@ def test_a_digest_fed_step_by_step_equals_the_one_of_the_stores_envelopes(
     assert stored is not None
     assert digest.finish(objects[-1]) == digest_of_checksums(stored)
     assert objects_digest(SMALL, objects, BS, rows) == digest_of_checksums(stored)
+
+
+def test_one_objects_seed_in_python_integers_equals_the_vectorized_seeds() -> None:
+    words = HeaderWords(SMALL)
+    keys = full_block_keys(NS, [b"x", b"y", b"z"])
+    starts, counts = np.array([0, 16, 2**40]), np.array([16, 16, 5])
+    want = words.seeds_for(keys_to_words(keys), starts, counts)
+    got = [words.seed_of(k, int(s), int(c)) for k, s, c in zip(keys, starts, counts, strict=True)]
+    assert got == want
 
 
 def test_other_rows_or_another_token_range_give_another_digest() -> None:

@@ -90,7 +90,9 @@ class ObjectsDigest:
     as the KV cache hashes new blocks (a block's rows are complete only once its tokens all
     are, so its key exists by then; a block whose key comes later waits here). Rows start at
     the block-aligned ``token_start``; each full block is checksummed once, so the rows are
-    not kept: at most a block's worth waits for the next step.
+    not kept: the block in progress fills a buffer of its own. A decode step's row is one
+    slice assignment, and one checksum a block (this runs per request per step on the
+    scheduler's thread).
     """
 
     def __init__(self, layout: R3Layout, token_start: int, keys: list[ObjectKey]) -> None:
@@ -100,50 +102,83 @@ class ObjectsDigest:
         self.token_start = token_start
         self.rows = 0
         self._keys = keys
-        self._block_nbytes = layout.block_size * layout.row_nbytes
+        self._bs = layout.block_size
         self._next_block = token_start // layout.block_size  # the first not checksummed
-        self._pending = np.empty(0, dtype=np.uint8)  # its rows so far, and any after it
+        self._block = layout.empty(layout.block_size)  # the block in progress ...
+        self._filled = 0  # ... and its rows so far
+        self._waiting: list[np.ndarray] = []  # full blocks whose keys are not made yet
         self._sums: list[int] = []
 
     def add(self, rows: np.ndarray) -> None:
         """The request's next rows, in token order."""
-        payload = np.ascontiguousarray(rows, dtype=self.layout.dtype).reshape(-1).view(np.uint8)
-        self.rows += len(rows)
-        if len(self._pending):
-            payload = np.concatenate((self._pending, payload))
-        self._pending = self._checksum_full_blocks(payload)
+        n, bs = len(rows), self._bs
+        self.rows += n
+        if self._waiting:
+            self._drain()
+        if self._filled:
+            take = min(bs - self._filled, n)
+            self._block[self._filled : self._filled + take] = rows[:take]
+            self._filled += take
+            if self._filled < bs:
+                return  # a decode step, but one in a block's worth
+            self._filled = 0
+            self._complete(self._block)
+            rows = rows[take:]
+        full = len(rows) // bs * bs
+        if full:
+            self._complete(rows[:full])
+        if full < len(rows):
+            self._filled = len(rows) - full
+            self._block[: self._filled] = rows[full:]
 
-    def _checksum_full_blocks(self, payload: np.ndarray) -> np.ndarray:
-        """Checksum the full blocks at the start of ``payload`` whose keys exist; returns
-        the rest (copied: a view would keep the step's rows alive)."""
-        first = self._next_block
-        n = min(len(payload) // self._block_nbytes, len(self._keys) - first)
-        if n > 0:
-            cut = n * self._block_nbytes
-            self._sums += objects_checksums(
-                self.layout,
-                self._keys[first : first + n],
-                first * self.layout.block_size,
-                payload[:cut],
-            )
-            self._next_block += n
-            payload = payload[cut:]
-        return payload.copy() if payload.base is not None else payload
+    def _complete(self, blocks: np.ndarray) -> None:
+        """Checksum full ``blocks`` (rows) now, or keep a copy until their keys exist."""
+        if self._waiting or len(self._keys) - self._next_block < len(blocks) // self._bs:
+            self._waiting.append(blocks.copy())
+            self._drain()
+            return
+        self._checksum(blocks)
+
+    def _checksum(self, blocks: np.ndarray) -> None:
+        first, n = self._next_block, len(blocks) // self._bs
+        if n == 1:
+            seed = _header_words(self.layout).seed_of(self._keys[first], first * self._bs, self._bs)
+            self._sums.append(checksum(np.ascontiguousarray(blocks).data, seed))
+        else:
+            payload = np.ascontiguousarray(blocks).reshape(-1).view(np.uint8)
+            keys = self._keys[first : first + n]
+            self._sums += objects_checksums(self.layout, keys, first * self._bs, payload)
+        self._next_block += n
+
+    def _drain(self) -> None:
+        """Checksum the waiting blocks whose keys exist now, in order."""
+        while self._waiting:
+            blocks = self._waiting[0]
+            ready = min(len(self._keys) - self._next_block, len(blocks) // self._bs)
+            if ready <= 0:
+                return
+            self._checksum(blocks[: ready * self._bs])
+            if ready * self._bs < len(blocks):
+                self._waiting[0] = blocks[ready * self._bs :]
+            else:
+                self._waiting.pop(0)
 
     def finish(self, tail_key: ObjectKey | None) -> str:
         """The digest, once every row is in: the full blocks' checksums, then the terminal
         partial block's (``tail_key``, None if the rows end on a block boundary)."""
-        self._pending = self._checksum_full_blocks(self._pending)
-        rest = len(self._pending)
-        if rest >= self._block_nbytes or (tail_key is None) != (rest == 0):
+        self._drain()
+        if self._waiting or (tail_key is None) != (self._filled == 0):
             raise InternalError(
-                f"{rest // self.layout.row_nbytes} rows after block {self._next_block} "
-                f"({len(self._keys)} block keys), {'a' if tail_key else 'no'} tail key"
+                f"{self._filled} rows after block {self._next_block}, "
+                f"{sum(map(len, self._waiting))} rows without keys ({len(self._keys)} block "
+                f"keys), {'a' if tail_key else 'no'} tail key"
             )
         sums = self._sums
         if tail_key is not None:
-            start = self._next_block * self.layout.block_size
-            sums = sums + objects_checksums(self.layout, [tail_key], start, self._pending)
+            seed = _header_words(self.layout).seed_of(
+                tail_key, self._next_block * self._bs, self._filled
+            )
+            sums = [*sums, checksum(self._block[: self._filled].data, seed)]
         return digest_of_checksums(sums)
 
 

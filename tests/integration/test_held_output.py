@@ -11,7 +11,11 @@ import numpy as np
 from vllm.v1.request import RequestStatus
 
 from vllm_artifact.contract import EmittedRows, StepResult
+from vllm_artifact.core import R3Layout, full_block_keys
+from vllm_artifact.core.handoff import KeysContext, R3Keys, StoreAddress
 from vllm_artifact.core.held_rows import PAGE_ROWS
+from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
+from vllm_artifact.core.objects_digest import objects_digest
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 
@@ -227,3 +231,45 @@ def test_a_step_whose_rows_cannot_be_held_fails_each_of_its_requests() -> None:
     reason = "rows could not be sorted: held rows changed shape"
     assert all(reason in failure.message for failure in failures.values())
     assert connector.take_output(requests["stop"], decode_step(requests, 3)) is not None
+
+
+def test_a_keys_requests_decode_rows_are_held_with_the_others_and_digested_at_its_end() -> None:
+    """A keys-only request returns no rows, only its handle at its end. Its prompt's rows go
+    into the handle's digest at once; its decode steps' rows are held column-wise with the
+    array path's (no per-request work a step) and go into the digest at its end, which then
+    is exactly the digest of its rows."""
+    layout = R3Layout(num_layers=2, top_k=2, num_experts=8, block_size=4, dense_layers=())
+    context = KeysContext(StoreAddress(root="/dev/shm/x", name="s"), "m", layout)
+    connector = ArtifactSchedulerConnector(hash_fn=None, hash_block_size=4)
+    connector._keys_context = context
+    requests = {
+        "keys": fake_request("keys", extra_args={"routed_experts_format": "keys"}),
+        "plain": fake_request("plain"),
+    }
+    schedule(connector, requests)
+    prompt = {rid: np.full((4, 2, 2), 100 + i, np.uint8) for i, rid in enumerate(requests)}
+    step = StepResult(entries={rid: EmittedRows(0, rows) for rid, rows in prompt.items()})
+    for request in requests.values():
+        request.block_hashes = [b"block 0".ljust(32)]
+    assert connector.take_output(requests["keys"], step) is None
+    assert connector.take_output(requests["plain"], step) is not None  # its prompt's rows
+    own = [prompt["keys"]]
+    for number in range(1, 9):  # 8 decode steps: 12 rows, three full blocks
+        result = decode_step(requests, number)
+        own.append(result.decode_rows[:1])
+        for request in requests.values():
+            blocks = request.num_tokens // 4
+            request.block_hashes = [f"block {b}".encode().ljust(32) for b in range(blocks)]
+            if number == 8:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        if number < 8:
+            assert "keys" in connector._held.slots
+            assert connector.take_output(requests["keys"], result) is None
+            assert connector.take_output(requests["plain"], result) is None
+    handle = R3Keys.from_transport(connector.take_output(requests["keys"], result))
+    assert connector.take_output(requests["plain"], result) is not None
+    assert connector.take_late_failures() == {}
+    keys = full_block_keys(context.namespace(DEFAULT_WEIGHT_VERSION), requests["keys"].block_hashes)
+    assert handle.num_rows == 12 and handle.keys == [key.hex() for key in keys]
+    assert handle.objects_xxh3 == objects_digest(layout, keys, 0, np.concatenate(own))
+    assert len(connector._held) == 0

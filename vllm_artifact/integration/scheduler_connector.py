@@ -66,6 +66,7 @@ from vllm_artifact.core.objects_digest import ObjectsDigest, handle_digest
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
 from vllm_artifact.integration.kv_events import eviction_ids
+from vllm_artifact.integration.request_rows import emit_start, executed_rows
 from vllm_artifact.integration.seams import SchedulerConnectorBase
 from vllm_artifact.integration.vllm_contract import ArtifactStepMetadata
 
@@ -227,7 +228,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             if num_sent is None:
                 num_sent = sent[request_id] = 0
                 request = requests[request_id]
-                new_requests[request_id] = _emit_start(request)
+                new_requests[request_id] = emit_start(request)
                 params = request.sampling_params
                 extra_args = params.extra_args if params is not None else None
                 if extra_args and extra_args.get(R3_FORMAT_OPTION) == "keys":
@@ -302,18 +303,20 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             request_id = request.request_id
             entry = self._step_rows.get(request_id)
             if entry is None:  # no rows this step, held already (a decode step), or keys-only
-                if request_id in self._held.slots:
-                    return None if request.status is _RUNNING else self._held_end(request)
                 keys = self._keys_requests.get(request_id)
                 if keys is not None:
+                    if (  # steady decode: its row was held, no new block to key
+                        request.status is _RUNNING
+                        and len(request.block_hashes) == len(keys)
+                        and request_id not in self._keys_rows
+                    ):
+                        return None
                     return self._keys_output(request, keys)
+                if request_id in self._held.slots:
+                    return None if request.status is _RUNNING else self._held_end(request)
                 return None
             token_start, step_rows = entry
-            rows = (
-                step_rows  # usually every row
-                if request.num_tokens - 1 - token_start == len(step_rows)
-                else self._cut_rows(request, token_start, step_rows)
-            )
+            rows = executed_rows(request, token_start, step_rows)
             if request_id in self._held.slots:
                 if rows is not None:
                     self._held.add(request_id, token_start, rows)
@@ -379,25 +382,6 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             return output.rows_by_id()
         return output.rows_by_id(decode=np.flatnonzero(~held).tolist())
 
-    @staticmethod
-    def _cut_rows(request: Any, token_start: int, rows: np.ndarray) -> np.ndarray | None:
-        """The rows up to the request's last executed token (drafts past it were rejected
-        after the worker ran, or the step ran ahead of the scheduler's view)."""
-        local_end = request.num_tokens - 1 - token_start
-        if local_end < 0:
-            if request.is_finished():
-                raise InternalError(
-                    f"finished request {request.request_id} has no R3 rows for its last token "
-                    f"(rows start at {token_start})"
-                )
-            return None
-        if local_end >= len(rows):
-            raise InternalError(
-                f"request {request.request_id}: the worker sent rows up to token "
-                f"{token_start + len(rows)}, the scheduler expects {request.num_tokens - 1}"
-            )
-        return rows[:local_end]
-
     def _keys_output(self, request: Any, keys: list[ObjectKey]) -> np.ndarray | None:
         """A keys-only request's output: none while it runs (its new blocks' keys are made),
         at its end its :class:`R3Keys` handle in vLLM's routed-experts transport (see
@@ -425,16 +409,18 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         entry = self._keys_rows.get(rid)
         if entry is not None:  # the rows the array path would return this step
             token_start, step_rows = entry
-            rows = (
-                step_rows
-                if request.num_tokens - 1 - token_start == len(step_rows)
-                else self._cut_rows(request, token_start, step_rows)
-            )
-            if rows is not None:
+            rows = executed_rows(request, token_start, step_rows)
+            if rows is not None and rid in self._held.slots:
+                self._held.add(rid, token_start, rows)
+            elif rows is not None:  # its first rows (the prompt's) go into the digest at once,
+                # the rest are held as the array path holds them (a decode step's rows of all
+                # such requests in a few numpy calls) and go in at its end
                 digest = self._keys_digests.get(rid)
                 if digest is None:
                     digest = self._keys_digests[rid] = handle_digest(context, bs, token_start, keys)
                 digest.add(rows)
+                if request.status is _RUNNING:
+                    self._held.hold(rid, token_start + len(rows))
         finished = request.is_finished() and request.status in _PUBLISH_TAIL_STATUSES
         if namespace is None or context is None or bs is None:
             if finished:  # never answer a finished keys-only request without its handle
@@ -456,6 +442,10 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             keys.append(tail_key)
             last_block_tokens = tail.num_tokens
         digest = self._keys_digests.get(rid) or handle_digest(context, bs, first_row, [])
+        if rid in self._held.slots:
+            held = self._held.take(rid, executed)
+            if held is not None:
+                digest.add(held)
         if digest.rows != executed - first_row:
             raise InternalError(
                 f"keys-only request {rid}: {digest.rows} rows seen, {executed - first_row} expected"
@@ -494,15 +484,6 @@ def _internal_failure(request: Any, error: Exception) -> R3Failure:
         f"R3 (routed experts) for request {request.request_id} is unavailable ({reason}): "
         f"{error} (an internal error of vllm-artifact: please report it)",
     )
-
-
-def _emit_start(request: Any) -> int:
-    """First token whose row the request returns (vLLM's rule: the prompt start the sampling
-    params ask for, or the last token of a request resumed after preemption)."""
-    prompt_start = min(
-        request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens
-    )
-    return max(prompt_start, 0 if request.num_output_tokens == 0 else request.num_tokens - 1)
 
 
 if TYPE_CHECKING:  # mypy holds the class to the contract's protocol

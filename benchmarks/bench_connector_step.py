@@ -81,6 +81,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import BlockHash, init_none_hash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
+from vllm_artifact.core.handoff import R3_FORMAT_OPTION, KeysContext, R3Keys, StoreAddress
 from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION, Namespace, full_block_keys
 from vllm_artifact.core.publisher import (
     MEMORY_STORE_INLINE_FROM_BLOCKS,
@@ -127,6 +128,8 @@ PREFILL_EVICTIONS_PER_STEP = PREFILL_TOKEN_BUDGET // LAYOUT.block_size
 WARM_UP_STEPS = 20
 TARGET_SCHEDULER_MS = 0.3
 PER_STEP = "ours, per step"
+#: ``--keys``: ours with every request asking for the keys-only handoff.
+KEYS = "ours, keys"
 #: ``--tracker process``: ours runs its tracker in the tracker process.
 TRACKER_PROCESS = False  # the configuration of ours that holds no rows
 #: ``--gpu-step-ms``: a pause after each step, outside the timed parts.
@@ -306,6 +309,8 @@ class Config:
         prefix_tag = 0 if hit else own
         request = FakeRequest(f"r{self.next_id}", prefix_tag, own, prompt_blocks, shared_blocks)
         self.next_id += 1
+        if self.name == KEYS:
+            request.sampling_params.extra_args = {R3_FORMAT_OPTION: "keys"}
         return request
 
     def _schedule_decode(self) -> tuple[list[FakeRequest], dict[str, int], bool]:
@@ -415,9 +420,12 @@ class Config:
         c2b, t2b = time.thread_time(), time.perf_counter()
         taken = [self.scheduler.take_output(request, output) for request in sampled]
         c3, t3 = time.thread_time(), time.perf_counter()
-        if isinstance(self.scheduler, ArtifactSchedulerConnector) and self.name == "ours":
+        if isinstance(self.scheduler, ArtifactSchedulerConnector) and self.name in ("ours", KEYS):
             running = [r for r, rows in zip(sampled, taken, strict=True) if not r.is_finished()]
             assert all(r.request_id in self.scheduler._held.slots for r in running)
+            if self.name == KEYS:  # no rows, and a handle at the end
+                ended = [rows for r, rows in zip(sampled, taken, strict=True) if r.is_finished()]
+                assert all(R3Keys.is_transport(rows) for rows in ended), "a handle each"
         else:
             assert all(rows is not None and len(rows) for rows in taken), "every request has rows"
         for request in stopped:  # vLLM frees them; request_finished runs in the next step
@@ -456,6 +464,7 @@ class Config:
 WRITER_THREADS = {
     "ours": "vllm-artifact-publisher",
     PER_STEP: "vllm-artifact-publisher-per-step",
+    KEYS: "vllm-artifact-publisher-keys",
     "vLLM's own": "vllm-aux-output-writer",
 }
 
@@ -591,8 +600,12 @@ def ours(
     worker._store, worker._publisher, worker._tracker = store, publisher, tracker
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    kind = ArtifactSchedulerConnector if name == "ours" else PerStepRowsScheduler
+    kind = ArtifactSchedulerConnector if name in ("ours", KEYS) else PerStepRowsScheduler
     scheduler = kind(hash_fn=hash_fn, hash_block_size=LAYOUT.block_size)
+    if name == KEYS:  # as the worker's first step output would bring it
+        scheduler._keys_context = KeysContext(
+            StoreAddress(root=store.root, name=store.name), "bench", LAYOUT
+        )
     config = Config(name, scheduler, worker, capturer, log, replay_writes, workload)
 
     def close() -> None:
@@ -689,6 +702,12 @@ def main() -> None:
         "engine's share, the tracker's work runs in the tracker process",
     )
     parser.add_argument(
+        "--keys",
+        action="store_true",
+        help=f"also run {KEYS!r}: ours with every request asking for the keys-only handoff "
+        "(no rows go out; the handle's digest is made on the scheduler's thread)",
+    )
+    parser.add_argument(
         "--background-publisher",
         action="store_true",
         help="ours publishes every batch on its background thread (as for a network store), "
@@ -718,6 +737,11 @@ def main() -> None:
             ),
             lambda: vllms_own(args.workload),
             lambda: ours(root, args.workload, PER_STEP, background=args.background_publisher),
+            *(
+                [lambda: ours(root, args.workload, KEYS, background=args.background_publisher)]
+                if args.keys
+                else []
+            ),
         ):
             config, close = make()
             configs.append(config)
@@ -793,6 +817,9 @@ def report(configs: list[Config]) -> None:
         print(f"  {side:<9} ours / vLLM's own (CPU medians): {ratio:.2f}x")
         held = medians[side, "ours"] - medians[side, PER_STEP]
         print(f"  {side:<9} ours - {PER_STEP} (CPU medians): {held:+.3f} ms")
+        if (side, KEYS) in medians:
+            keys = medians[side, KEYS] / medians[side, "ours"]
+            print(f"  {side:<9} {KEYS} / ours (CPU medians): {keys:.2f}x")
     # The p90 steps are those where a request arrives: the worker reads its prefix hit's R3
     # from the store (ours) and the step thread may wait for the GIL there.
     for config in configs if decode else ():  # in prefill every step has a prefix hit

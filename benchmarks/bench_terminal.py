@@ -378,7 +378,7 @@ def measure(
     rounds.add("alt_decode", lambda: decode_bytearray(payload))
     rounds.add("k_handle", k_handle)
     rounds.add("k_keys", lambda: full_block_keys(ns, block_hashes))
-    rounds.add("k_read", lambda: reader.read(handle_json))
+    rounds.add("k_read", lambda: reader.read(objects_json))  # the engine's handles
     rounds.add("k_digest_objects", lambda: objects_digest(layout, keys, 0, data))
     rounds.add("k_digest_rows", lambda: RowsDigest.of(data))
     rounds.add("k_check", lambda: reader.verify(objects_json))

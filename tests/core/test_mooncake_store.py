@@ -26,6 +26,7 @@ from vllm_artifact_testing.mooncake_master import (
 
 from vllm_artifact.core import Namespace, R3Layout
 from vllm_artifact.core.envelope import HEADER_NBYTES
+from vllm_artifact.core.objects_digest import objects_checksums
 from vllm_artifact.core.store import ObjectStore
 from vllm_artifact.core.store.mooncake import MooncakeStore
 from vllm_artifact.errors import (
@@ -113,8 +114,11 @@ def test_round_trip_put_runs_read_into_get(store: MooncakeStore, layout: R3Layou
     store.put([(single, rows_for(layout, 3, 5), 16)], pin=False)
     assert store.exists([*a, *b, single, key_for(NS, 99)]) == [True] * 6 + [False]
     out = layout.empty(40)
-    store.read_into(a, out, token_start=32)
+    checksums = store.read_into(a, out, token_start=32)
     np.testing.assert_array_equal(out, rows_a)
+    # the envelope checksums verified on the rows read: those the rows' objects must carry
+    want = objects_checksums(layout, a, 32, np.ascontiguousarray(rows_a).reshape(-1).view(np.uint8))
+    assert checksums.tolist() == want
     part = layout.empty(16)
     store.read_into(a[1:2], part, token_start=48)
     np.testing.assert_array_equal(part, rows_a[16:32])

@@ -84,6 +84,8 @@ def test_a_digest_fed_step_by_step_equals_the_one_of_the_stores_envelopes(
     assert stored is not None
     assert digest.finish(objects[-1]) == digest_of_checksums(stored)
     assert objects_digest(SMALL, objects, BS, rows) == digest_of_checksums(stored)
+    out = SMALL.empty(len(rows))  # a read returns the checksums it verified: the same
+    assert store.read_into(objects, out, token_start=BS).tolist() == stored
 
 
 def test_one_objects_seed_in_python_integers_equals_the_vectorized_seeds() -> None:

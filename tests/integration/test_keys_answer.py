@@ -225,9 +225,9 @@ def test_an_offline_run_checks_objects_digests_from_envelopes_alone(
     payload_reads: list[int] = []
     real = ShmStore.read_into
 
-    def counted(self: ShmStore, keys: Any, out: Any, **kwargs: Any) -> None:
+    def counted(self: ShmStore, keys: Any, out: Any, **kwargs: Any) -> Any:
         payload_reads.append(len(keys))
-        real(self, keys, out, **kwargs)
+        return real(self, keys, out, **kwargs)
 
     monkeypatch.setattr(ShmStore, "read_into", counted)
     rows = np.arange(32 * 8, dtype=np.uint8).reshape(32, 4, 2) % 8

@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm_artifact.client.experts import RoutedExperts
 from vllm_artifact.core.handoff import R3Keys, RowsDigest, StoreAddress
-from vllm_artifact.core.objects_digest import digest_of_checksums, objects_digest
+from vllm_artifact.core.objects_digest import digest_of_checksums
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.store import ObjectStore, ShmStore
 from vllm_artifact.errors import KeyCollisionError, ObjectMissingError, SchemaError
@@ -66,7 +66,7 @@ class R3Reader:
             return RoutedExperts(store.layout.empty(0), store.layout.dense_layers)
         out = store.layout.empty(held)
         try:
-            store.read_into(keys, out, token_start=first_token)
+            checksums = store.read_into(keys, out, token_start=first_token)
         except ObjectMissingError:
             # The engine answered before its publisher wrote the last blocks: wait for them.
             while not all(store.exists(keys)):
@@ -75,7 +75,7 @@ class R3Reader:
                     break
                 time.sleep(_POLL_S)
             try:
-                store.read_into(keys, out, token_start=first_token)
+                checksums = store.read_into(keys, out, token_start=first_token)
             except ObjectMissingError as err:
                 raise ObjectMissingError(
                     f"{err} The keys handle was not read within {wait:.1f} s of the response "
@@ -84,9 +84,10 @@ class R3Reader:
                 ) from None
         skip = handle.first_row - first_token
         rows = out[skip : skip + handle.num_rows]
+        # the checksums were verified on the rows read: their digest is that of the rows
         if (
             handle.objects_xxh3 is not None
-            and objects_digest(store.layout, keys, first_token, out) != handle.objects_xxh3
+            and digest_of_checksums(checksums) != handle.objects_xxh3
         ) or (handle.rows_xxh3 is not None and RowsDigest.of(rows) != handle.rows_xxh3):
             raise KeyCollisionError(
                 f"R3 store {handle.store.describe()} holds other routing under "

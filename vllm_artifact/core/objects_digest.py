@@ -12,8 +12,10 @@ the envelopes alone (64 bytes an object) then tell whether the objects are the r
 A damaged payload under a right envelope is caught where the payload is read (the trainer's
 read checks every checksum on the bytes it copies), so no request ever gets other rows.
 
-Pure (no vLLM import): the scheduler feeds :class:`ObjectsDigest` step by step, the reader
-calls :func:`objects_digest` on what it read.
+Pure (no vLLM import): the scheduler feeds :class:`ObjectsDigest` step by step; a reader
+digests the checksums its read verified (``ObjectStore.read_into`` returns them), or the
+envelopes' alone (``ShmStore.envelope_checksums``); :func:`objects_digest` makes a handle's
+digest from rows at once.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def objects_checksums(
     return list(map(checksum, views, seeds))
 
 
-def digest_of_checksums(checksums: Sequence[int]) -> str:
+def digest_of_checksums(checksums: Sequence[int] | np.ndarray) -> str:
     """xxh3-128 (hex) of the objects' checksums in token order, as little-endian uint64."""
     return xxhash.xxh3_128_hexdigest(np.array(checksums, dtype="<u8").tobytes())
 

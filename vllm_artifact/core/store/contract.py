@@ -144,8 +144,9 @@ class ObjectStore(ABC):
     @abstractmethod
     def read_into(
         self, keys: Sequence[ObjectKey], out: np.ndarray, *, token_start: int = 0
-    ) -> None:
-        """Gather objects that tile ``out`` back to back.
+    ) -> np.ndarray:
+        """Gather objects that tile ``out`` back to back; returns their envelope checksums
+        (uint64, in key order), each verified on the bytes written to ``out``.
 
         Object ``i`` must start at ``token_start`` plus the tokens of objects
         ``0..i-1`` and all objects together must fill ``out`` exactly; every

@@ -261,11 +261,12 @@ class MooncakeStore(ObjectStore):
 
     def read_into(
         self, keys: Sequence[ObjectKey], out: np.ndarray, *, token_start: int = 0
-    ) -> None:
+    ) -> np.ndarray:
         started = time.perf_counter()
         with self._lock:
-            self._reads.read_into(keys, out, token_start)
+            checksums = self._reads.read_into(keys, out, token_start)
         self._observe_read(started, len(keys))
+        return checksums
 
     # ------------------------------------------------------------------ writing
 

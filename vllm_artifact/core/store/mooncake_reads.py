@@ -10,7 +10,7 @@ check is retried once; what still fails is missing if the key is gone, else corr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -45,10 +45,11 @@ class StagedReads:
 
     # ----------------------------------------------------------------- targets
 
-    def read_into(self, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int) -> None:
+    def read_into(self, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int) -> np.ndarray:
+        """Objects ``keys`` back to back into ``out``; their verified envelope checksums."""
         layout = self._store.layout
         if not check_read_target(layout, keys, out):
-            return
+            return np.zeros(0, dtype=np.uint64)
         dest = out.data.cast("B") if out.size else memoryview(bytearray())
 
         def prepare(n_tokens: np.ndarray, starts: np.ndarray) -> tuple[memoryview, np.ndarray]:
@@ -70,7 +71,7 @@ class StagedReads:
                 )
             return dest, offsets * layout.row_nbytes
 
-        self._read(keys, prepare)
+        return self._read(keys, prepare)
 
     def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:
         return self.get_with_starts(keys)[0]
@@ -172,7 +173,9 @@ class StagedReads:
         )
         return words, valid
 
-    def _read(self, keys: Sequence[ObjectKey], prepare: _Prepare) -> None:
+    def _read(self, keys: Sequence[ObjectKey], prepare: _Prepare) -> np.ndarray:
+        """Transfer, copy and verify ``keys``; returns their verified envelope checksums."""
+        bad: np.ndarray | None = None
         for attempt in range(_ATTEMPTS):
             staged, codes = self._transfer(keys)
             missing = codes == OBJECT_NOT_FOUND
@@ -189,9 +192,13 @@ class StagedReads:
             self._copy_out(staged, nbytes, dest, offsets)
             bad = verify_copies(dest, offsets, nbytes, words, self._words)
             if bad is None:
-                return
-            if attempt + 1 == _ATTEMPTS:
-                self._raise_bad(keys, bad, "checksum mismatch")
+                checksums: np.ndarray = words[:, HeaderWords.CSUM]
+                return checksums
+        # every attempt failed; the last one reached its copy (an envelope that stays
+        # invalid raised above)
+        self._raise_bad(
+            keys, np.ones(len(keys), dtype=bool) if bad is None else bad, "checksum mismatch"
+        )
 
     def _copy_out(
         self, staged: np.ndarray, nbytes: np.ndarray, dest: memoryview, offsets: np.ndarray
@@ -211,7 +218,7 @@ class StagedReads:
         ):
             target[at : at + size] = row[HEADER_NBYTES : HEADER_NBYTES + size]
 
-    def _raise_bad(self, keys: Sequence[ObjectKey], bad: np.ndarray, why: str) -> None:
+    def _raise_bad(self, keys: Sequence[ObjectKey], bad: np.ndarray, why: str) -> NoReturn:
         """Objects that failed twice: missing if gone by now, else corrupt."""
         idx = np.flatnonzero(bad)
         present = self._store.exists([keys[i] for i in idx.tolist()])

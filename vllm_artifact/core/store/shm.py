@@ -306,12 +306,12 @@ class ShmStore(ObjectStore):
 
     def read_into(
         self, keys: Sequence[ObjectKey], out: np.ndarray, *, token_start: int = 0
-    ) -> None:
+    ) -> np.ndarray:
         # No mutex for reads (here and in get): the seqlock and checksums that make reads in
         # other processes safe against a concurrent writer do the same for this process's
         # publishing thread, and waiting on its mutex would hand it the GIL for a whole switch
         # interval (milliseconds on the engine's step path).
-        self._reads.read_into(keys, out, token_start)
+        return self._reads.read_into(keys, out, token_start)
 
     def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:
         return self._reads.get(keys)

@@ -166,11 +166,11 @@ class StoreReads:
 
     # ------------------------------------------------------------------ reading
 
-    def read_into(self, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int) -> None:
+    def read_into(self, keys: Sequence[ObjectKey], out: np.ndarray, token_start: int) -> np.ndarray:
         """Objects ``keys`` back to back into ``out`` (see ``ObjectStore.read_into``)."""
         if not check_read_target(self.layout, keys, out):
-            return
-        self._read(keys, _IntoArray(self, keys, out, token_start))
+            return np.zeros(0, dtype=np.uint64)
+        return self._read(keys, _IntoArray(self, keys, out, token_start))
 
     def get(self, keys: Sequence[ObjectKey]) -> list[np.ndarray]:
         """A new array per object."""
@@ -222,8 +222,9 @@ class StoreReads:
             "check the host's memory and that nothing else writes under the store root."
         )
 
-    def _read(self, keys: Sequence[ObjectKey], target: _ReadTarget) -> None:
-        """Locate, copy and verify ``keys`` into ``target`` (seqlock-retrying)."""
+    def _read(self, keys: Sequence[ObjectKey], target: _ReadTarget) -> np.ndarray:
+        """Locate, copy and verify ``keys`` into ``target`` (seqlock-retrying); returns
+        their verified envelope checksums."""
         started = time.perf_counter()
         words = keys_to_words(keys)
         suspicious = False
@@ -256,7 +257,8 @@ class StoreReads:
                 self._slots.touch(located.slots)
             if self._metrics is not None:
                 self._metrics.observe_read(time.perf_counter() - started, len(keys))
-            return
+            checksums: np.ndarray = located.words[:, HeaderWords.CSUM]
+            return checksums
         raise self.missing(keys, np.ones(len(keys), dtype=bool), "replaced while being read")
 
     def _copy(

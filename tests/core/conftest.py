@@ -48,6 +48,16 @@ def shm_root() -> Iterator[str]:
 
 
 @pytest.fixture
+def store(shm_root: str) -> Iterator[ShmStore]:
+    """A writable store of the ``SMALL`` layout, ``r3-s`` under a fresh root (1 MiB); modules
+    with a ``store`` fixture of their own use theirs."""
+    with ShmStore.create_or_open_writer(
+        shm_root, "r3-s", layout=SMALL, capacity_bytes=1 << 20, collect_expired=False
+    ) as writer:
+        yield writer
+
+
+@pytest.fixture
 def small_tmpfs() -> Iterator[Callable[[int], str]]:
     """Mounts a tmpfs of a given size on a fresh 0700 directory under /dev/shm (a trusted
     root must be strictly under /dev/shm) and unmounts it afterwards. The suite runs as root.

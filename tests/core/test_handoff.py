@@ -65,14 +65,6 @@ def _publish(store: ShmStore, n_full: int, tail: int) -> tuple[list, np.ndarray]
     return keys, rows
 
 
-@pytest.fixture
-def store(shm_root: str) -> ShmStore:
-    with ShmStore.create_or_open_writer(
-        shm_root, "r3-s", layout=SMALL, capacity_bytes=1 << 20, collect_expired=False
-    ) as writer:
-        yield writer
-
-
 def test_json_round_trip_and_rows_cut(shm_root: str) -> None:
     keys = full_block_keys(NS, [b"a", b"b", b"c"])
     handle = _handle(shm_root, keys, first_row=5, num_rows=40)

@@ -29,14 +29,6 @@ NS = Namespace("test-model", SMALL, "v1")
 BS = SMALL.block_size
 
 
-@pytest.fixture
-def store(shm_root: str) -> ShmStore:
-    with ShmStore.create_or_open_writer(
-        shm_root, "r3-s", layout=SMALL, capacity_bytes=1 << 20, collect_expired=False
-    ) as writer:
-        yield writer
-
-
 def _request(n_full: int, tail: int, first_block: int = 0) -> tuple[list, list, np.ndarray]:
     """A request's full-block keys from block 0, its objects' keys from ``first_block`` (the
     tail last) and its rows from that block on."""

@@ -191,8 +191,8 @@ class StagedReads:
             nbytes = n_tokens * self._store.layout.row_nbytes
             self._copy_out(staged, nbytes, dest, offsets)
             bad = verify_copies(dest, offsets, nbytes, words, self._words)
-            if bad is None:
-                checksums: np.ndarray = words[:, HeaderWords.CSUM]
+            if bad is None:  # (a copy: the staging buffer is the next read's)
+                checksums: np.ndarray = words[:, HeaderWords.CSUM].copy()
                 return checksums
         # every attempt failed; the last one reached its copy (an envelope that stays
         # invalid raised above)

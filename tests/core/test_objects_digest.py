@@ -10,7 +10,7 @@ import pytest
 from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, R3Reader
-from vllm_artifact.core import Namespace, full_block_keys, tail_block_key
+from vllm_artifact.core import Namespace, R3Layout, full_block_keys, tail_block_key
 from vllm_artifact.core.envelope import HeaderWords
 from vllm_artifact.core.handoff import StoreAddress
 from vllm_artifact.core.keys import keys_to_words
@@ -143,3 +143,24 @@ def test_a_handle_is_checked_from_its_objects_envelopes(store: ShmStore) -> None
         assert reader.envelopes_match(own) is True  # no payload was read
         with pytest.raises(ObjectCorruptError):
             reader.read(own)
+
+
+def test_uint16_rows_one_a_step_give_the_digest_of_the_stores_envelopes(shm_root: str) -> None:
+    """Models with more than 256 experts keep uint16 ids: a decode step's single row and its
+    block's checksum are taken as bytes, as the store takes them."""
+    wide = R3Layout(num_layers=3, top_k=2, num_experts=384, block_size=4)
+    assert wide.dtype == np.uint16
+    namespace = Namespace("wide", wide, "v1")
+    keys = full_block_keys(namespace, [bytes([i]) * 32 for i in range(5)])
+    keys.append(tail_block_key(namespace, b"tail-hash", 2))
+    rows = np.random.default_rng(5).integers(0, 384, size=(22, 3, 2)).astype(wide.dtype)
+    with ShmStore.create_or_open_writer(
+        shm_root, "r3-w", layout=wide, capacity_bytes=1 << 20, collect_expired=False
+    ) as store:
+        store.put_blocks(keys, rows, 0)  # five full blocks and a tail of two rows
+        digest = ObjectsDigest(wide, 0, keys[:5])
+        for at in range(len(rows)):
+            digest.add(rows[at : at + 1])
+        stored = store.envelope_checksums(keys)
+        assert stored is not None
+        assert digest.finish(keys[5]) == digest_of_checksums(stored)

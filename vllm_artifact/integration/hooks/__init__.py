@@ -390,11 +390,12 @@ PATCHES: tuple[Patch, ...] = (
         why="A keys handle must resolve to exactly its request's rows: its last objects "
         "are published a step after the answer, a failed publication leaves them absent, "
         "and a key another request published first names that request's rows.",
-        how="Before a finished output leaves the frontend its handles are read back "
-        "(bounded wait; every object and the rows' digest checked; on the server in a "
-        "worker thread); one that does not resolve fails its request closed. Offline, "
-        "LLMEngine.step reads, during an _run_engine call only, the handles of earlier "
-        "steps whose objects are published, so a batch's end reads only its last steps'. "
+        how="Before a finished output leaves the frontend its handles are checked (bounded "
+        "wait; the objects' envelope checksums against the handle's objects digest, or a "
+        "read back of every object where that cannot tell; on the server in a worker "
+        "thread); one that does not resolve fails its request closed. Offline, "
+        "LLMEngine.step checks, during an _run_engine call only, the handles of earlier "
+        "steps whose objects are published, so a batch's end checks only its last steps'. "
         "Patched when vLLM loads their module.",
         upstream="None: the keys handoff is ours.",
         removal="A connector hook that runs before a finished output is returned.",

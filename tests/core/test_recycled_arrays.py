@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_artifact.core.recycled_arrays import RecycledArrays
@@ -92,3 +93,18 @@ def test_blocks_cut_from_a_recycled_array_are_published_as_one_view() -> None:
     assert out.base is not None and joined.shape == (112, 58, 8) and joined.dtype == np.int16
     assert np.shares_memory(joined, out)
     np.testing.assert_array_equal(joined, out[16:])
+
+
+def test_finer_size_classes_waste_at_most_their_step() -> None:
+    """Powers of two by default; four steps a doubling leave at most a quarter unused."""
+    coarse, fine = RecycledArrays(), RecycledArrays(steps_per_doubling=4)
+    for nbytes in (1, 2, 3, 5, 64 * 1024, 64 * 1024 + 1, 951_104, 1 << 20, (1 << 20) + 1):
+        power = 1 << (nbytes - 1).bit_length()
+        assert coarse.size_class(nbytes) == power
+        size = fine.size_class(nbytes)
+        assert nbytes <= size <= power and (size - nbytes) * 4 < max(nbytes, 4)
+    assert fine.size_class(700_000) == 786_432  # 2**17 * 6: 12% unused, not 50%
+    held = fine.empty(SHAPE, np.uint8)
+    assert held.base is not None and held.base.nbytes == fine.size_class(held.nbytes)
+    with pytest.raises(ValueError, match="steps_per_doubling"):
+        RecycledArrays(steps_per_doubling=3)

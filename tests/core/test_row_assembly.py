@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64, npy_file_of
-from vllm_artifact.core.row_assembly import ArrivingRows
+from vllm_artifact.core.recycled_arrays import RecycledArrays
+from vllm_artifact.core.row_assembly import ArrivingRows, FilePool
 
 ROW = (5, 3)
 
@@ -95,3 +96,72 @@ def test_after_its_end_a_resumable_request_falls_back_to_concatenating_everythin
 
 def test_an_empty_list_joins_to_none() -> None:
     assert ArrivingRows(reserve_rows=10).joined() is None
+
+
+def _pool(max_bytes: int = 1 << 20) -> FilePool:
+    return FilePool(RecycledArrays(max_bytes=max_bytes, min_bytes=1, steps_per_doubling=4))
+
+
+@pytest.mark.parametrize("reserve", [0, 3, 50])
+def test_files_cut_from_a_pool_join_into_the_same_npy(reserve: int) -> None:
+    """The file grows by copies into larger pool buffers and ends as exactly the .npy."""
+    pool = _pool()
+    arriving = ArrivingRows(reserve_rows=reserve, pool=pool)
+    chunks = [chunk(0, 7), chunk(7, 4)] + [chunk(11 + i, 1) for i in range(30)] + [chunk(41, 9)]
+    for c in chunks:
+        arriving.append(c)
+    joined = arriving.joined()
+    assert joined is not None
+    expected = np.concatenate(chunks)
+    np.testing.assert_array_equal(joined, expected)
+    file = npy_file_of(joined)
+    assert file is not None and file.tobytes() == npy_bytes(expected)
+    assert encode_npy_base64(joined) == encode_npy_base64(expected)
+    assert not file.flags.owndata and pool.arrays.nbytes > 0  # the pool's memory
+
+
+def test_a_pool_file_is_used_again_only_once_its_rows_are_dropped() -> None:
+    """Rows a caller keeps stay as they were while later requests fill the pool's files;
+    once dropped, the next request's file is the same memory (no new buffer)."""
+    pool = _pool()
+
+    def request(first: int) -> np.ndarray:
+        arriving = ArrivingRows(reserve_rows=20, pool=pool)
+        arriving.append(chunk(first, 12))
+        arriving.append(chunk(first + 12, 8))
+        joined = arriving.joined()
+        assert joined is not None
+        return joined
+
+    kept = request(0)
+    address = kept.__array_interface__["data"][0]
+    keepers = [lambda a: a, lambda a: a[3:5], lambda a: memoryview(a), lambda a: npy_file_of(a)]
+    for keep in keepers:
+        view = keep(kept)
+        before = np.array(view, copy=True)
+        del kept
+        others = [request(100 + i) for i in range(3)]
+        assert all(o.__array_interface__["data"][0] != address for o in others)
+        np.testing.assert_array_equal(np.asarray(view), before)
+        del others, view
+        kept = request(0)
+    kept_bytes = pool.arrays.nbytes
+    del kept
+    again = request(200)
+    assert pool.arrays.nbytes == kept_bytes
+    np.testing.assert_array_equal(again, np.concatenate([chunk(200, 12), chunk(212, 8)]))
+
+
+def test_past_the_pools_bound_files_are_fresh_memory() -> None:
+    pool = _pool(max_bytes=4096)
+    held = []
+    for first in range(0, 400, 40):
+        arriving = ArrivingRows(reserve_rows=40, pool=pool)  # 40 rows of 15 bytes: 728 bytes
+        arriving.append(chunk(first, 40))
+        joined = arriving.joined()
+        assert joined is not None
+        held.append(joined)
+    assert pool.arrays.nbytes <= 4096
+    assert any(npy_file_of(h) is not None and npy_file_of(h).flags.owndata for h in held)  # type: ignore[union-attr]
+    for first, rows in zip(range(0, 400, 40), held, strict=True):
+        np.testing.assert_array_equal(rows, chunk(first, 40))

@@ -26,7 +26,9 @@ from vllm_artifact_testing.store_faults import flip_in_every_slot
 
 from vllm_artifact.client import R3Keys, decode_r3, r3_failure, read_r3_keys
 from vllm_artifact.client import reader as client_reader
-from vllm_artifact.core.row_assembly import ArrivingRows
+from vllm_artifact.core.npy import npy_file_of
+from vllm_artifact.core.recycled_arrays import RecycledArrays
+from vllm_artifact.core.row_assembly import ArrivingRows, FilePool
 from vllm_artifact.errors import CapacityError, WeightVersionError
 from vllm_artifact.integration.hooks import terminal_output
 from vllm_artifact.selftest.oracle import assert_routing_matches, hf_router_topk
@@ -146,6 +148,31 @@ def test_rows_reach_the_frontend_in_two_parts_unless_a_stop_string_can_end_the_r
     np.testing.assert_array_equal(
         assert_matches_oracle(model_a, per_step), held.outputs[0].routed_experts
     )
+
+
+def test_the_frontends_files_come_from_its_pool_and_are_used_again_once_dropped(
+    llm_a: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R3 files cut from the frontend's pool (here for files of any size: this model's are
+    far below the pool's smallest) carry the oracle's rows; rows a caller keeps stay intact
+    while later requests fill the pool, and dropped rows' memory serves the next requests."""
+    pool = FilePool(RecycledArrays(max_bytes=1 << 20, min_bytes=1, steps_per_doubling=4))
+    monkeypatch.setattr(terminal_output, "_FILES", pool)
+    kept = llm_a.generate(SHORT_PROMPTS, GREEDY)
+    kept_rows = [assert_matches_oracle(model_a, output) for output in kept]
+    assert all(npy_file_of(rows) is not None for rows in kept_rows)
+    assert all(not npy_file_of(rows).flags.owndata for rows in kept_rows)  # type: ignore[union-attr]
+    assert pool.arrays.reused == 0
+    before = [rows.copy() for rows in kept_rows]
+    later = llm_a.generate([LONG_PROMPT, *SHORT_PROMPTS], GREEDY)
+    for rows, copy in zip(kept_rows, before, strict=True):
+        np.testing.assert_array_equal(rows, copy)
+    buffers = pool.arrays.nbytes
+    del kept, kept_rows, later
+    again = llm_a.generate(SHORT_PROMPTS, GREEDY)
+    assert pool.arrays.reused >= len(SHORT_PROMPTS) and pool.arrays.nbytes == buffers
+    for output in again:
+        assert_matches_oracle(model_a, output)
 
 
 def test_n_logprobs_and_penalties_with_r3(llm_a: Any, model_a: Path) -> None:

@@ -17,33 +17,66 @@ view outlives a call here. The list itself is untouched: vLLM reads and rewrites
 (its stop-string trim replaces the last chunk with a shorter one), and where the list holds
 anything other than the chunks copied, in order, ``joined`` returns None and the caller
 concatenates the list as before.
+
+With a :class:`FilePool` the file is instead cut from memory the process touched before, once
+no earlier request's rows refer to it: a file of fresh memory faults in 4 KiB at a time, on
+the thread every request's outputs wait for. Such a file grows by a copy into a larger one, and
+at the end the rows come as the data part of a file of exactly their size, which keeps the
+pool's buffer in use for as long as anything refers to the rows.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, SupportsIndex
 
 import numpy as np
 
-from vllm_artifact.core.npy import empty_npy_file, npy_header
+from vllm_artifact.core.npy import npy_header
+from vllm_artifact.core.recycled_arrays import RecycledArrays
 
-__all__ = ["RESERVE_ROWS_MAX", "ArrivingRows"]
+__all__ = ["RESERVE_ROWS_MAX", "ArrivingRows", "FilePool"]
 
 #: Rows reserved past the first chunk for the rows still to come (the request's token budget
 #: where it has one, at most this many; more grow the file).
 RESERVE_ROWS_MAX = 4096
 
 
+class FilePool:
+    """:class:`RecycledArrays` for the files of every request of a process, whichever thread
+    makes them (the pool itself has one owner thread)."""
+
+    def __init__(self, arrays: RecycledArrays) -> None:
+        self.arrays = arrays
+        self._lock = threading.Lock()
+
+    def file(self, nbytes: int) -> np.ndarray:
+        """An uninitialized uint8 file of ``nbytes``."""
+        with self._lock:
+            return self.arrays.empty((nbytes,), np.uint8)
+
+
 class ArrivingRows(list):
     """vLLM's list of a request's R3 chunks, each chunk also copied into one ``.npy`` file."""
 
-    __slots__ = ("_dtype", "_file", "_header_nbytes", "_reserve", "_row_shape", "_rows", "_sources")
+    __slots__ = (
+        "_dtype",
+        "_file",
+        "_header_nbytes",
+        "_pool",
+        "_reserve",
+        "_row_shape",
+        "_rows",
+        "_sources",
+    )
 
-    def __init__(self, reserve_rows: int = 0) -> None:
+    def __init__(self, reserve_rows: int = 0, pool: FilePool | None = None) -> None:
         super().__init__()
         self._reserve = max(0, reserve_rows)  # rows the file is made for, at least
-        self._file: np.ndarray | None = None  # uint8: header, then rows; owns its memory
+        self._pool = pool
+        # uint8: header, then rows; owns its memory (it is resized), or a view of a pool's
+        self._file: np.ndarray | None = None
         self._header_nbytes = 0
         self._rows = 0
         self._row_shape: tuple[int, ...] = ()
@@ -89,7 +122,14 @@ class ArrivingRows(list):
             return None
         file, self._file = self._file, None  # one reference, for resize's check
         file[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        file.resize(len(header) + rows * self._row_nbytes, refcheck=True)
+        nbytes = len(header) + rows * self._row_nbytes
+        if file.flags.owndata:
+            file.resize(nbytes, refcheck=True)
+        else:
+            # A file of exactly the rows that refers to the pool's buffer through a
+            # memoryview: the rows' base is then this file, not the whole buffer, onto which
+            # numpy collapses the base of any view of a view (npy_file_of needs the file).
+            file = np.frombuffer(file[:nbytes].data, dtype=np.uint8)
         return file[len(header) :].view(self._dtype).reshape(shape)
 
     @property
@@ -117,23 +157,37 @@ class ArrivingRows(list):
         row_nbytes = self._row_nbytes
         start = self._header_nbytes + self._rows * row_nbytes
         end = start + len(chunk) * row_nbytes
-        if end > self._file.nbytes:  # grow (resize: no other reference to the file)
+        if end > self._file.nbytes:  # grow
             held_rows = (self._file.nbytes - self._header_nbytes) // max(row_nbytes, 1)
             capacity_rows = max(self._rows + len(chunk), 2 * held_rows)
-            self._file.resize(self._header_nbytes + capacity_rows * row_nbytes, refcheck=True)
+            self._grow(self._header_nbytes + capacity_rows * row_nbytes, start)
         target = self._file[start:end].view(self._dtype).reshape(chunk.shape)
         np.copyto(target, chunk, casting="no")
         del target  # no view of the file outlives this call
         self._rows += len(chunk)
         sources.append(chunk)
 
-    def _start(self, chunk: np.ndarray) -> None:
-        """A file for ``chunk``'s rows and the reserve, header space first."""
-        self._dtype, self._row_shape = chunk.dtype, chunk.shape[1:]
-        made = empty_npy_file((max(len(chunk), self._reserve), *self._row_shape), self._dtype)
-        if made is None:
+    def _grow(self, nbytes: int, used: int) -> None:
+        """Make the file ``nbytes`` long, keeping its first ``used`` bytes."""
+        if self._file is None:
             return
-        file, data = made
-        self._header_nbytes = file.nbytes - data.nbytes
-        del data  # no view of the file outlives this call
-        self._file = file
+        if self._file.flags.owndata:  # resize: no other reference to the file
+            self._file.resize(nbytes, refcheck=True)
+            return
+        grown = self._new_file(nbytes)
+        grown[:used] = self._file[:used]
+        self._file = grown
+
+    def _new_file(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8) if self._pool is None else self._pool.file(nbytes)
+
+    def _start(self, chunk: np.ndarray) -> None:
+        """A file for ``chunk``'s rows and the reserve, header space first (the header is
+        written at the end: its length does not change with the number of rows)."""
+        self._dtype, self._row_shape = chunk.dtype, chunk.shape[1:]
+        rows = max(len(chunk), self._reserve)
+        header = npy_header((rows, *self._row_shape), self._dtype)
+        if header is None:
+            return
+        self._header_nbytes = len(header)
+        self._file = self._new_file(len(header) + rows * self._row_nbytes)

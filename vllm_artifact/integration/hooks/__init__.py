@@ -426,7 +426,8 @@ PATCHES: tuple[Patch, ...] = (
         "concatenates a request's chunks at its end, when many requests finish together on "
         "the frontend's one output thread (the round's tail, the engine idle).",
         how="RequestState's chunk list becomes an ArrivingRows (core/row_assembly.py) that "
-        "copies each chunk on arrival into the data part of a complete .npy; at the end "
+        "copies each chunk on arrival into the data part of a complete .npy (memory of the "
+        "frontend's file pool, used again once earlier rows are dropped); at the end "
         "that file is used, or the chunks are concatenated into one, "
         "base64-encoded straight to str (the same text); the routers' JSON response joins "
         "that text into the rendered JSON (the same bytes); a transported keys handle "

@@ -37,7 +37,8 @@ from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import R3Keys
 from vllm_artifact.core.json_splice import render_spliced
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64
-from vllm_artifact.core.row_assembly import RESERVE_ROWS_MAX, ArrivingRows
+from vllm_artifact.core.recycled_arrays import RecycledArrays
+from vllm_artifact.core.row_assembly import RESERVE_ROWS_MAX, ArrivingRows, FilePool
 from vllm_artifact.integration.hooks.after_import import patch_module
 from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.request_errors import record_failure
@@ -75,6 +76,14 @@ require(
 )
 
 
+#: The memory of the frontend's R3 files, used again once the rows of earlier requests are
+#: dropped (core/row_assembly.py says why). What it keeps is bounded; beyond that a file is
+#: fresh memory, as before. Finer size classes: a caller keeping the rows keeps its file's
+#: buffer, at most a quarter larger than the file.
+FRONTEND_FILES_MAX_BYTES = 256 * 1024 * 1024
+_FILES = FilePool(RecycledArrays(max_bytes=FRONTEND_FILES_MAX_BYTES, steps_per_doubling=4))
+
+
 def _wrap_init(original: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -84,7 +93,8 @@ def _wrap_init(original: Any) -> Any:
             # Rows to come: the prompt's and up to the token budget's (the last token has none)
             budget = self.max_tokens_param if isinstance(self.max_tokens_param, int) else 0
             prompt = self.prompt_len if isinstance(self.prompt_len, int) else 0
-            self.routed_experts_chunks = ArrivingRows(prompt + min(budget, RESERVE_ROWS_MAX))
+            reserve = prompt + min(budget, RESERVE_ROWS_MAX)
+            self.routed_experts_chunks = ArrivingRows(reserve, _FILES)
 
     return __init__
 

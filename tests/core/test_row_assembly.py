@@ -26,11 +26,17 @@ def npy_bytes(array: np.ndarray) -> bytes:
         return fp.getvalue()
 
 
+def _pool(max_bytes: int = 1 << 20) -> FilePool:
+    return FilePool(RecycledArrays(max_bytes=max_bytes, min_bytes=1, steps_per_doubling=4))
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-memory", "pool"])
 @pytest.mark.parametrize("reserve", [0, 3, 40, 5000])
-def test_chunks_join_into_the_npy_of_their_concatenation(reserve: int) -> None:
+def test_chunks_join_into_the_npy_of_their_concatenation(reserve: int, pooled: bool) -> None:
     """A prompt in two prefill chunks, decode rows one by one (the file grows past any
-    reserve) and a held chunk at the end."""
-    arriving = ArrivingRows(reserve_rows=reserve)
+    reserve: by resize, or by copies into larger pool buffers) and a held chunk at the end."""
+    pool = _pool() if pooled else None
+    arriving = ArrivingRows(reserve_rows=reserve, pool=pool)
     chunks = [chunk(0, 7), chunk(7, 4)] + [chunk(11 + i, 1) for i in range(30)] + [chunk(41, 9)]
     for c in chunks:
         arriving.append(c)
@@ -43,6 +49,7 @@ def test_chunks_join_into_the_npy_of_their_concatenation(reserve: int) -> None:
     assert file is not None and file.tobytes() == npy_bytes(expected)
     assert encode_npy_base64(joined) == encode_npy_base64(expected)
     assert file.nbytes == len(npy_bytes(expected))  # shrunk to its rows
+    assert file.flags.owndata == (pool is None)  # its own memory, or the pool's
     for c in chunks:  # copies: the chunks' memory is not the file's
         assert not np.shares_memory(c, joined)
 
@@ -96,28 +103,6 @@ def test_after_its_end_a_resumable_request_falls_back_to_concatenating_everythin
 
 def test_an_empty_list_joins_to_none() -> None:
     assert ArrivingRows(reserve_rows=10).joined() is None
-
-
-def _pool(max_bytes: int = 1 << 20) -> FilePool:
-    return FilePool(RecycledArrays(max_bytes=max_bytes, min_bytes=1, steps_per_doubling=4))
-
-
-@pytest.mark.parametrize("reserve", [0, 3, 50])
-def test_files_cut_from_a_pool_join_into_the_same_npy(reserve: int) -> None:
-    """The file grows by copies into larger pool buffers and ends as exactly the .npy."""
-    pool = _pool()
-    arriving = ArrivingRows(reserve_rows=reserve, pool=pool)
-    chunks = [chunk(0, 7), chunk(7, 4)] + [chunk(11 + i, 1) for i in range(30)] + [chunk(41, 9)]
-    for c in chunks:
-        arriving.append(c)
-    joined = arriving.joined()
-    assert joined is not None
-    expected = np.concatenate(chunks)
-    np.testing.assert_array_equal(joined, expected)
-    file = npy_file_of(joined)
-    assert file is not None and file.tobytes() == npy_bytes(expected)
-    assert encode_npy_base64(joined) == encode_npy_base64(expected)
-    assert not file.flags.owndata and pool.arrays.nbytes > 0  # the pool's memory
 
 
 def test_a_pool_file_is_used_again_only_once_its_rows_are_dropped() -> None:

@@ -8,8 +8,9 @@ cancels; each ratio comes with its geometric mean over rounds and a 95% bootstra
 (a goal is resolved when the interval lies on one side of it). After the timed rounds,
 ``--profile`` records one more round per configuration with py-spy (frontend and engine core,
 every thread) and ``--torch-profile`` a short one under torch.profiler in the engine core
-(op tables) and ``--python-profile`` one under cProfile on the engine core's main thread
-(``cprofile_diff.py`` compares two), none counted in the ratios. ``--concurrent`` runs each
+(op tables), ``--python-profile`` one under cProfile on the engine core's main thread
+(``cprofile_diff.py`` compares two) and ``--frontend-profile`` a whole one on the frontend's
+main thread, none counted in the ratios. ``--concurrent`` runs each
 round's configurations at the same time instead of one after another: the machine's speed
 drifts by tens of percent within seconds (the eager prefill steps), and at once it drifts
 for all of them alike. ``--cpus`` pins every engine to a CPU set; ``--split-cpus`` gives each
@@ -19,7 +20,7 @@ an experiment that prices the capture itself (its R3 is wrong by design).
 
     python tools/gpu/perf/driver.py --out DIR [--rounds 5] [--configs off,native,ours]
         [--workloads decode,prefill] [--concurrent] [--profile] [--torch-profile]
-        [--python-profile] [--cpus auto] [--split-cpus] [--model DIR]
+        [--python-profile] [--frontend-profile] [--cpus auto] [--split-cpus] [--model DIR]
         [--shape dsv3|dsv3-cpu|small] [--scale 1.0]
         [--repeat N|prefill=4,decode=1] [--prefill-graphs]
 
@@ -265,6 +266,11 @@ def main() -> int:
         help="one round per configuration under cProfile on the engine core's main thread",
     )
     parser.add_argument(
+        "--frontend-profile",
+        action="store_true",
+        help="one whole round per configuration under cProfile on the frontend's main thread",
+    )
+    parser.add_argument(
         "--spy-native",
         action="store_true",
         help="py-spy with native (C/CUDA) frames: launch vs. waiting on the GPU",
@@ -434,6 +440,7 @@ def main() -> int:
         for wanted, cmd, prefix in (
             (args.torch_profile, "torch_profile", "torch"),
             (args.python_profile, "python_profile", "cprofile"),
+            (args.frontend_profile, "frontend_profile", "frontend-cprofile"),
         ):
             if not wanted:
                 continue
@@ -447,6 +454,7 @@ def main() -> int:
                         seed=800_000 + w,
                         scale=scale,
                         dump=str((args.out / name).with_suffix(".pstats").resolve()),
+                        repeat=repeats[workload],  # frontend_profile's whole round
                     )
                     (args.out / name).write_text(res.get("table", str(res)))
                     print(

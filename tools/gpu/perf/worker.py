@@ -440,6 +440,22 @@ class Worker:
         profile written to ``dump``)."""
         return self._profiled_round(python_profile, workload, seed, scale, dump=dump)
 
+    def frontend_profile(
+        self, workload: str, seed: int, scale: float, dump: str, repeat: int = 1
+    ) -> dict[str, Any]:
+        """A whole round (not timed) with cProfile on this process's main thread: the
+        frontend, which turns every step's outputs into results and joins R3's chunks (the
+        engine's own threads are ``python_profile``'s)."""
+        prompts, max_tokens = workload_prompts(workload, seed, scale, repeat=repeat)
+        self.llm.reset_prefix_cache()
+        python_profile()
+        started = time.perf_counter()
+        outputs = self.generate(prompts, max_tokens)
+        seconds = time.perf_counter() - started
+        table = python_profile(stop=True, dump=dump)
+        del outputs
+        return {"seconds": seconds, "table": table}
+
     def _profiled_round(
         self, profiler: Any, workload: str, seed: int, scale: float, **stop: Any
     ) -> dict[str, Any]:
@@ -534,6 +550,17 @@ def main() -> None:
                     event="profiled",
                     **worker.python_profile(
                         command["workload"], command["seed"], command["scale"], command["dump"]
+                    ),
+                )
+            elif command["cmd"] == "frontend_profile":
+                reply(
+                    event="profiled",
+                    **worker.frontend_profile(
+                        command["workload"],
+                        command["seed"],
+                        command["scale"],
+                        command["dump"],
+                        command.get("repeat", 1),
                     ),
                 )
             elif command["cmd"] == "stop":

@@ -79,7 +79,7 @@ require(
 #: The memory of the frontend's R3 files, used again once the rows of earlier requests are
 #: dropped (core/row_assembly.py says why). What it keeps is bounded; beyond that a file is
 #: fresh memory, as before. Finer size classes: a caller keeping the rows keeps its file's
-#: buffer, at most a quarter larger than the file.
+#: buffer (made for the prompt and token budget), at most a quarter larger than that file.
 FRONTEND_FILES_MAX_BYTES = 256 * 1024 * 1024
 _FILES = FilePool(RecycledArrays(max_bytes=FRONTEND_FILES_MAX_BYTES, steps_per_doubling=4))
 

@@ -73,6 +73,10 @@ def reply(**fields: Any) -> None:
     sys.stdout.flush()
 
 
+#: The driver's commands for a profiled round (``Worker.profiled_round``).
+PROFILED_ROUNDS = ("torch_profile", "python_profile", "frontend_profile")
+
+
 def workload_prompts(
     name: str, seed: int, scale: float, count: int | None = None, repeat: int = 1
 ) -> tuple[list[list[int]], int]:
@@ -430,6 +434,16 @@ class Worker:
             },
         }
 
+    def profiled_round(self, command: dict[str, Any]) -> dict[str, Any]:
+        """The profiled round a driver's command asks for (its ``cmd``, one of
+        ``PROFILED_ROUNDS``)."""
+        where = (command["workload"], command["seed"], command["scale"])
+        if command["cmd"] == "torch_profile":
+            return self.torch_profile(*where)
+        if command["cmd"] == "python_profile":
+            return self.python_profile(*where, dump=command["dump"])
+        return self.frontend_profile(*where, dump=command["dump"], repeat=command.get("repeat", 1))
+
     def torch_profile(self, workload: str, seed: int, scale: float) -> dict[str, Any]:
         """A short round (the workload's first 32 prompts: a few steps of each kind) with
         torch.profiler running in the engine core; not timed."""
@@ -540,29 +554,8 @@ def main() -> None:
                 threads = pin_tree([os.getpid()], cpus)
                 worker.pinned = sorted(cpus)
                 reply(event="pinned", threads=threads)
-            elif command["cmd"] == "torch_profile":
-                reply(
-                    event="profiled",
-                    **worker.torch_profile(command["workload"], command["seed"], command["scale"]),
-                )
-            elif command["cmd"] == "python_profile":
-                reply(
-                    event="profiled",
-                    **worker.python_profile(
-                        command["workload"], command["seed"], command["scale"], command["dump"]
-                    ),
-                )
-            elif command["cmd"] == "frontend_profile":
-                reply(
-                    event="profiled",
-                    **worker.frontend_profile(
-                        command["workload"],
-                        command["seed"],
-                        command["scale"],
-                        command["dump"],
-                        command.get("repeat", 1),
-                    ),
-                )
+            elif command["cmd"] in PROFILED_ROUNDS:
+                reply(event="profiled", **worker.profiled_round(command))
             elif command["cmd"] == "stop":
                 break
         except Exception as error:  # the driver reports it and stops this configuration

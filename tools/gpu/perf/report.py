@@ -46,6 +46,8 @@ PAIRS = (
     ("off+keep", "off"),
     ("ours+keep", "off+keep"),
     ("ours", "ours+earlyfacts"),  # a step's facts after its forward is queued, or before
+    ("ours+nojoin", "ours"),  # the frontend's join of R3 skipped (R3 wrong by design)
+    ("ours+nojoin", "off"),
 )
 #: configurations whose R3 must be right (the other variants are experiments that break it)
 RIGHT_R3 = (

@@ -169,6 +169,8 @@ class Worker:
         # runs with 0.5 ms by default: "off+switch" is the control, "ours+pyswitch" ours with
         # --artifact-switch-interval-ms keep, the interpreter's 5 ms); "+thp"
         # and "+keep", the allocator settings docs/configuration.md recommends;
+        # "ours+nojoin", the frontend copies no R3 (a request's first chunk is its answer:
+        # R3 wrong by design; what the frontend's join costs the round, at most);
         # "ours+earlyfacts", a step's facts applied before its forward is queued (these:
         # R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
         # engine of the same configuration in the same rounds, an A/A control of the measure
@@ -273,6 +275,8 @@ class Worker:
                 applied += self.llm.collective_rpc(early_facts)
             elif variant == "keys" and self.base == "ours":
                 applied.append("keys handoff")
+            elif variant == "nojoin" and self.base == "ours":
+                applied.append(no_frontend_join())
             elif variant in ("thp", "keep"):  # set by the driver at the process's start
                 applied.append(allocator_setting())
             elif variant == "twin":
@@ -518,6 +522,19 @@ class Worker:
                 for child in [proc, *proc.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
                         child.kill()
+
+
+def no_frontend_join() -> str:
+    """``+nojoin`` (this process is the frontend): R3's chunks are only listed, never copied,
+    and a request's first chunk (a view of the frame it arrived in) is its answer."""
+    from vllm_artifact.core.row_assembly import ArrivingRows
+
+    def first_chunk(rows: Any) -> Any:
+        return rows[0] if len(rows) and isinstance(rows[0], np.ndarray) else None
+
+    ArrivingRows._copy = lambda rows, chunk: None  # type: ignore[method-assign]
+    ArrivingRows.joined = first_chunk  # type: ignore[method-assign]
+    return "frontend: no join, first chunk only"
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -126,6 +126,10 @@ class ArtifactStepFields:
     #: Keys-only requests answered with a handle since the last step: rank zero leases the
     #: objects the handle names (``--artifact-keys-lease``).
     leases: list[str] = field(default_factory=list)
+    #: New requests whose first rows may reach the frontend as a ``.npy`` file with room for
+    #: the rest (``core/row_file.py``; requests the engine ends itself): request id -> the
+    #: rows still to come at most (its token budget less one).
+    first_rows_room: dict[str, int] = field(default_factory=dict)
     #: Whether the step runs a forward pass (vLLM runs none for a step without scheduled
     #: tokens, and then never prepares its output): rank zero applies the step's facts once
     #: the forward is queued, or at once for a step without one.
@@ -140,6 +144,32 @@ class EmittedRows(NamedTuple):
 
     token_start: int
     rows: np.ndarray
+
+
+class _RowsInFile(NamedTuple):
+    """Emitted rows pickled as where they lie in their file (``StepResult.files``)."""
+
+    token_start: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(
+        cls, entry: EmittedRows | R3Failure, file: np.ndarray | None
+    ) -> EmittedRows | R3Failure | _RowsInFile:
+        if file is None or not isinstance(entry, EmittedRows):
+            return entry
+        rows = entry.rows
+        offset = rows.__array_interface__["data"][0] - file.__array_interface__["data"][0]
+        if not rows.flags.c_contiguous or not 0 <= offset <= file.nbytes - rows.nbytes:
+            return entry
+        return cls(entry.token_start, offset, rows.shape, rows.dtype.str)
+
+    def rows_in(self, file: np.ndarray) -> EmittedRows:
+        count = int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        data = file[self.offset : self.offset + count]
+        return EmittedRows(self.token_start, data.view(self.dtype).reshape(self.shape))
 
 
 @dataclass
@@ -158,13 +188,31 @@ class StepResult:
     #: Where rank zero's store is and what its keys are made of; sent with the first step
     #: (the scheduler builds keys-only handles from it).
     keys_context: KeysContext | None = None
+    #: request id -> the file (``core/row_file.py``) its emitted rows are the data part of.
+    #: Pickled, such rows travel as their place in the file, which travels once.
+    files: dict[str, np.ndarray] = field(default_factory=dict)
     # request id -> (token_start, rows), built on first lookup (one C-level pass)
     _rows_by_id: dict[str, tuple[int, np.ndarray]] | None = field(
         default=None, repr=False, compare=False
     )
 
     def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_rows_by_id": None}  # rebuilt lazily on the other side
+        state = {**self.__dict__, "_rows_by_id": None}  # rebuilt lazily on the other side
+        if self.files:
+            state["entries"] = {
+                rid: _RowsInFile.of(entry, self.files.get(rid))
+                for rid, entry in self.entries.items()
+            }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        files, entries = state.get("files"), state["entries"]
+        if files:
+            state["entries"] = {
+                rid: entry.rows_in(files[rid]) if isinstance(entry, _RowsInFile) else entry
+                for rid, entry in entries.items()
+            }
+        self.__dict__.update(state)
 
     def rows_by_id(self, decode: list[int] | None = None) -> dict[str, tuple[int, np.ndarray]]:
         """Every request's ``(token_start, rows)`` this step (failed ones excluded); with

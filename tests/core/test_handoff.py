@@ -17,6 +17,7 @@ from vllm_artifact_testing.store_faults import flip_in_every_slot
 from vllm_artifact.client import R3Keys, R3Reader, decode_r3
 from vllm_artifact.core import Namespace, full_block_keys, tail_block_key
 from vllm_artifact.core.handoff import RowsDigest, StoreAddress
+from vllm_artifact.core.row_file import is_file_transport
 from vllm_artifact.core.store import ShmStore
 from vllm_artifact.errors import (
     KeyCollisionError,
@@ -107,6 +108,7 @@ def test_transport_through_vllms_routed_experts_field(shm_root: str) -> None:
     handle = _handle(shm_root, full_block_keys(NS, [b"a", b"b"]), first_row=0, num_rows=20)
     moved = handle.to_transport()
     assert R3Keys.is_transport(moved) and R3Keys.from_transport(moved) == handle
+    assert not is_file_transport(moved)  # nor taken for rows sent as a file (row_file.py)
     assert not R3Keys.is_transport(rows_for(SMALL, 0))  # R3 rows are 3-D
 
 

@@ -11,6 +11,8 @@ import pytest
 from vllm_artifact.core.npy import concatenate_into_npy, encode_npy_base64, npy_file_of
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.row_assembly import ArrivingRows, FilePool
+from vllm_artifact.core.row_file import file_transport, rows_with_room
+from vllm_artifact.core.schema import R3Layout
 
 ROW = (5, 3)
 
@@ -150,3 +152,76 @@ def test_past_the_pools_bound_files_are_fresh_memory() -> None:
     assert any(npy_file_of(h) is not None and npy_file_of(h).flags.owndata for h in held)  # type: ignore[union-attr]
     for first, rows in zip(range(0, 400, 40), held, strict=True):
         np.testing.assert_array_equal(rows, chunk(first, 40))
+
+
+def sent_as_file(rows: np.ndarray, room: int, writeable: bool = True) -> np.ndarray:
+    """What the engine sends for ``rows`` made with ``room`` more (core/row_file.py), as the
+    frontend's decoder hands it over: a 1-D view of the frame it arrived in."""
+    layout = R3Layout(num_layers=ROW[0], top_k=ROW[1], num_experts=256, block_size=4)
+    file, made = rows_with_room(len(rows), room, layout)
+    assert file is not None
+    made[...] = rows
+    sent = file_transport(file, made)
+    assert sent is not None
+    frame = bytearray(sent.tobytes()) if writeable else sent.tobytes()
+    return np.frombuffer(frame, np.uint8)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-memory", "pool"])
+@pytest.mark.parametrize("tail", [0, 1, 10, 11, 40], ids=lambda n: f"tail{n}")
+def test_a_first_chunk_sent_as_a_file_is_adopted_and_the_rest_goes_into_its_room(
+    tail: int, pooled: bool
+) -> None:
+    """The prompt's rows are not copied; the held rest fills the room (10 rows) or, past
+    it, moves with them into a larger file."""
+    prompt, rest = chunk(0, 40), chunk(40, tail)
+    sent = sent_as_file(prompt, room=10)
+    arriving = ArrivingRows(reserve_rows=50, pool=_pool() if pooled else None)
+    arriving.append(sent)
+    if tail:
+        arriving.append(rest)
+    assert len(arriving) == 1 + bool(tail) and arriving[0].shape == prompt.shape  # rows listed
+    joined = arriving.joined()
+    assert joined is not None
+    expected = np.concatenate([prompt, rest])
+    np.testing.assert_array_equal(joined, expected)
+    file = npy_file_of(joined)
+    assert file is not None and file.tobytes() == npy_bytes(expected)
+    assert encode_npy_base64(joined) == encode_npy_base64(expected)
+    assert np.shares_memory(joined, sent) == (tail <= 10)  # adopted while the room lasts
+
+
+@pytest.mark.parametrize(
+    "arrive",
+    [
+        lambda a, sent: a.append(sent),  # read-only: copied, not adopted
+        lambda a, sent: (a.append(chunk(100, 2)), a.append(sent)),  # not the first chunk
+    ],
+    ids=["read-only-frame", "second-chunk"],
+)
+def test_a_file_that_cannot_be_adopted_is_copied_like_any_chunk(arrive: object) -> None:
+    prompt = chunk(0, 40)
+    read_only = sent_as_file(prompt, room=10, writeable=False)
+    arriving = ArrivingRows(reserve_rows=50)
+    arrive(arriving, read_only)  # type: ignore[operator]
+    joined = arriving.joined()
+    assert joined is not None
+    expected = np.concatenate([np.asarray(c) for c in arriving])
+    np.testing.assert_array_equal(joined[-40:], prompt)
+    assert npy_file_of(joined) is not None and npy_file_of(joined).tobytes() == npy_bytes(expected)  # type: ignore[union-attr]
+    assert not np.shares_memory(joined, read_only)
+
+
+def test_a_file_in_a_list_that_falls_back_is_concatenated_as_its_rows() -> None:
+    """vLLM's own concatenation (or ours, after a list change we do not follow) sees rows."""
+    prompt = chunk(0, 40)
+    arriving = ArrivingRows()
+    arriving.append(sent_as_file(prompt, room=10))
+    arriving.append(chunk(40, 3))
+    arriving.insert(0, chunk(90, 1))
+    assert arriving.joined() is None
+    joined = concatenate_into_npy(arriving)
+    assert joined is not None
+    np.testing.assert_array_equal(joined, np.concatenate([chunk(90, 1), prompt, chunk(40, 3)]))
+    arriving[-1] = sent_as_file(chunk(50, 2), room=0)  # a replaced last chunk, as rows
+    np.testing.assert_array_equal(arriving[-1], chunk(50, 2))

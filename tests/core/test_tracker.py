@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import time
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ from vllm_artifact.contract import EmittedRows, StepResult, TailBlock
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.keys import full_block_keys, tail_block_key
 from vllm_artifact.core.publisher import BlockRun, PinChange, Publisher
+from vllm_artifact.core.row_file import file_transport
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.step_batch import StepBatch, StepRows
 from vllm_artifact.core.store import ShmStore
@@ -149,6 +151,42 @@ def test_prefix_hit_rows_come_from_the_store(tracker: Parts, layout: R3Layout) -
     assert isinstance(out, EmittedRows) and out.token_start == 0
     np.testing.assert_array_equal(out.rows, rows)
     assert t.reads == 2
+
+
+@pytest.mark.parametrize("room", [None, 9, 10], ids=["no-room-asked", "room", "too-much-room"])
+def test_a_prefix_hits_first_rows_are_a_file_with_room_where_the_scheduler_asks(
+    tracker: Parts, layout: R3Layout, room: int | None
+) -> None:
+    """The hit rows and the computed ones go into one new array anyway: where the scheduler
+    asks for room (a request it holds) and the room is small beside the rows (here 37 rows, so
+    at most 9), that array is the data part of a file the frontend can adopt."""
+    t, _, _ = tracker
+    rows = rows_for(layout, 2, 2 * BS + 5)
+    serve(t, "a", hashes("p", 2), rows)
+    t.admit("b", 0, first_rows_room=room)
+    t.add_block_hashes({"b": hashes("p", 2)})
+    t.step_started(["b"])
+    entries = [StepRows("b", 2 * BS, 5, rows[2 * BS :], True)]
+    result = t.step_finished(batch_of(entries))
+    out = entry_of(result, "b")
+    assert isinstance(out, EmittedRows) and out.token_start == 0
+    np.testing.assert_array_equal(out.rows, rows)
+    file = result.files.get("b")
+    assert (file is not None) == (room == 9)
+    if file is not None:  # the rows lie in it, after the header's space, before the room
+        sent = file_transport(file, out.rows)
+        assert sent is not None and sent.nbytes == file.nbytes
+        assert file.nbytes - out.rows.nbytes - 9 * layout.row_nbytes == 128
+        # to another process (the worker's): the file once, the rows still its data part
+        moved = pickle.loads(pickle.dumps(result))
+        moved_rows = entry_of(moved, "b").rows  # type: ignore[union-attr]
+        np.testing.assert_array_equal(moved_rows, rows)
+        assert file_transport(moved.files["b"], moved_rows) is not None
+        assert len(pickle.dumps(result)) < file.nbytes + 1024
+    # only the first rows: the next step's are rows of their own
+    t.step_started(["b"])
+    later = t.step_finished(batch_of([StepRows("b", 2 * BS + 5, 1, rows[:1], True)]))
+    assert not later.files
 
 
 def test_requests_of_one_step_with_the_same_prefix_hit_read_it_once(

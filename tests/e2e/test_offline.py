@@ -9,6 +9,7 @@ compared as sets.
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,33 @@ def test_the_frontends_files_come_from_its_pool_and_are_used_again_once_dropped(
     assert pool.arrays.reused >= len(SHORT_PROMPTS) and pool.arrays.nbytes == buffers
     for output in again:
         assert_matches_oracle(model_a, output)
+
+
+def test_a_prefix_hits_first_rows_arrive_in_the_file_the_engine_made(
+    llm_a: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repeated long prompt: the engine reads its hit rows from the store into a new array
+    with its computed rows, made the data part of a ``.npy`` file with room for the generated
+    tokens' rows; the frontend adopts the frame that file arrives in instead of copying the
+    prompt's rows. The answer is the oracle's, as the first time, and exactly np.save's file."""
+    adopted: list[bool] = []
+    adopt = ArrivingRows._adopt
+
+    def spied(self: ArrivingRows, file: np.ndarray, header: int, rows: np.ndarray) -> bool:
+        adopted.append(adopt(self, file, header, rows))
+        return adopted[-1]
+
+    monkeypatch.setattr(ArrivingRows, "_adopt", spied)
+    first = llm_a.generate([LONG_PROMPT], GREEDY)[0]
+    assert adopted == []  # no prefix hit: its rows are views of steps' arrays, copied
+    again = llm_a.generate([LONG_PROMPT], GREEDY)[0]
+    assert again.num_cached_tokens > 0 and adopted == [True]
+    rows = assert_matches_oracle(model_a, again)
+    np.testing.assert_array_equal(rows, first.outputs[0].routed_experts)
+    file = npy_file_of(rows)
+    with io.BytesIO() as saved:
+        np.save(saved, np.ascontiguousarray(rows), allow_pickle=False)
+        assert file is not None and file.tobytes() == saved.getvalue()
 
 
 def test_n_logprobs_and_penalties_with_r3(llm_a: Any, model_a: Path) -> None:

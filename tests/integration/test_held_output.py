@@ -16,6 +16,7 @@ from vllm_artifact.core.handoff import KeysContext, R3Keys, StoreAddress
 from vllm_artifact.core.held_rows import PAGE_ROWS
 from vllm_artifact.core.keys import DEFAULT_WEIGHT_VERSION
 from vllm_artifact.core.objects_digest import objects_digest
+from vllm_artifact.core.row_file import is_file_transport, read_file_transport, rows_with_room
 from vllm_artifact.integration.scheduler_connector import ArtifactSchedulerConnector
 
 
@@ -33,6 +34,7 @@ def fake_request(request_id: str, *, stop: list[str] | None = None, **extra: Any
         num_tokens=5,
         num_prompt_tokens=5,
         num_output_tokens=0,
+        max_tokens=extra.pop("max_tokens", 16),
         block_hashes=[],
         status=RequestStatus.RUNNING,
         sampling_params=params,
@@ -273,3 +275,40 @@ def test_a_keys_requests_decode_rows_are_held_with_the_others_and_digested_at_it
     assert handle.num_rows == 12 and handle.keys == [key.hex() for key in keys]
     assert handle.objects_xxh3 == objects_digest(layout, keys, 0, np.concatenate(own))
     assert len(connector._held) == 0
+
+
+def test_a_held_requests_first_rows_made_a_file_go_out_as_that_file() -> None:
+    """The worker made its first rows the data part of a file with room for its generated
+    tokens' rows (asked for in the step's metadata): vLLM gets the file, header written for
+    the rows the scheduler takes (fewer where a step ran past its last token). A request the
+    frontend can end is never asked, and its rows go out as rows."""
+    connector = ArtifactSchedulerConnector()
+    requests = {
+        "held": fake_request("held", max_tokens=3),
+        "short": fake_request("short", max_tokens=3),
+        "stop": fake_request("stop", stop=["\n\n"]),
+    }
+    output = SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(requests, 4), total_num_scheduled_tokens=12
+    )
+    metadata = connector.build_connector_meta(output, requests)  # type: ignore[arg-type]
+    assert metadata.first_rows_room == {"held": 2, "short": 2}
+    layout = R3Layout(num_layers=2, top_k=2, num_experts=8, block_size=4)
+    result = StepResult()
+    for index, rid in enumerate(requests):
+        file, rows = rows_with_room(4, 1, layout)
+        assert file is not None
+        rows[...] = index
+        result.entries[rid] = EmittedRows(0, rows)
+        result.files[rid] = file
+    requests["short"].num_tokens = 4  # its step ran one token past its last
+    given = {rid: connector.take_output(request, result) for rid, request in requests.items()}
+    for rid, count in (("held", 4), ("short", 3)):
+        sent = given[rid]
+        assert sent is not None and is_file_transport(sent) and sent is result.files[rid]
+        rows_sent = read_file_transport(sent)[1]
+        np.testing.assert_array_equal(rows_sent, result.entries[rid].rows[:count])  # type: ignore[union-attr]
+    stop_rows = given["stop"]
+    assert (
+        stop_rows is not None and stop_rows.shape == (4, 2, 2) and not is_file_transport(stop_rows)
+    )

@@ -46,3 +46,6 @@ class RequestState:
     lease: bool = False  # a keys handle names its objects: lease them at teardown
     failure: R3Failure | None = None
     failure_sent: bool = False
+    #: Rows to leave room for after its first emitted rows, where those may go out as a file
+    #: (``core/row_file.py``); None once they went (or where they may not).
+    first_rows_room: int | None = None

@@ -23,6 +23,10 @@ no earlier request's rows refer to it: a file of fresh memory faults in 4 KiB at
 the thread every request's outputs wait for. Such a file grows by a copy into a larger one, and
 at the end the rows come as the data part of a file of exactly their size, which keeps the
 pool's buffer in use for as long as anything refers to the rows.
+
+A first chunk that arrives as a file with room (:mod:`~vllm_artifact.core.row_file`: the engine
+made it so) is adopted as the file: the list holds its rows, a view of it, and only later rows
+are copied, into its room (or, once that is full, with it into a larger file).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 
 from vllm_artifact.core.npy import npy_header
 from vllm_artifact.core.recycled_arrays import RecycledArrays
+from vllm_artifact.core.row_file import is_file_transport, read_file_transport
 
 __all__ = ["RESERVE_ROWS_MAX", "ArrivingRows", "FilePool"]
 
@@ -84,10 +89,18 @@ class ArrivingRows(list):
         self._sources: list[Any] | None = []  # the chunks copied, in order; None: given up
 
     def append(self, chunk: Any) -> None:
+        if is_file_transport(chunk):
+            header_nbytes, rows = read_file_transport(chunk)
+            super().append(rows)
+            if not self._adopt(chunk, header_nbytes, rows):
+                self._copy(rows)
+            return
         super().append(chunk)
         self._copy(chunk)
 
     def __setitem__(self, index: Any, value: Any) -> None:
+        if is_file_transport(value):
+            value = read_file_transport(value)[1]
         super().__setitem__(index, value)
         sources = self._sources
         if sources is None:
@@ -166,6 +179,19 @@ class ArrivingRows(list):
         del target  # no view of the file outlives this call
         self._rows += len(chunk)
         sources.append(chunk)
+
+    def _adopt(self, file: np.ndarray, header_nbytes: int, rows: np.ndarray) -> bool:
+        """Take ``file`` (a writable file transport: header, ``rows``, room) as the file, if
+        ``rows`` are the first chunk."""
+        sources = self._sources
+        if sources is None or sources or self._file is not None or not file.flags.writeable:
+            return False
+        # a view: the file is never resized in place (the list's rows refer to it)
+        self._file, self._header_nbytes = file[:], header_nbytes
+        self._dtype, self._row_shape = rows.dtype, rows.shape[1:]
+        self._rows = len(rows)
+        sources.append(rows)
+        return True
 
     def _grow(self, nbytes: int, used: int) -> None:
         """Make the file ``nbytes`` long, keeping its first ``used`` bytes."""

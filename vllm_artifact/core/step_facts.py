@@ -49,6 +49,8 @@ class StepFacts:
     finished: tuple[str, ...] = ()
     tails: Mapping[str, TailBlock] = field(default_factory=dict)
     leases: frozenset[str] = frozenset()
+    #: Admitted requests whose first rows may be a file with room for this many more.
+    first_rows_room: Mapping[str, int] = field(default_factory=dict)
 
 
 def apply_step_facts(tracker: RequestTracker, facts: StepFacts, generation: int) -> bool:
@@ -58,8 +60,9 @@ def apply_step_facts(tracker: RequestTracker, facts: StepFacts, generation: int)
         changed = tracker.set_weight_version(facts.weight_version)
         if facts.generation != generation:
             tracker.reset()  # vLLM resets the prefix cache only with no output in flight
+        room = facts.first_rows_room
         for request_id, emit_start in facts.admitted.items():
-            tracker.admit(request_id, int(emit_start))
+            tracker.admit(request_id, int(emit_start), room.get(request_id))
         tracker.add_block_hashes(facts.block_hashes)
         # After publishing (and pinning) newly keyed blocks: a block may be evicted already.
         if facts.kv_cleared:

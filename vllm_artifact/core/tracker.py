@@ -40,6 +40,7 @@ from vllm_artifact.core.keys import (
 from vllm_artifact.core.publisher import BlockRun, PinChange, Publisher
 from vllm_artifact.core.recycled_arrays import RecycledArrays
 from vllm_artifact.core.request_state import Cursors, RequestState
+from vllm_artifact.core.row_file import rows_with_room
 from vllm_artifact.core.schema import R3Layout
 from vllm_artifact.core.steady_decode import SteadyDecode
 from vllm_artifact.core.step_batch import StepBatch, StepRows
@@ -119,10 +120,14 @@ class RequestTracker:
         for request_id in list(self._requests):
             self._teardown(request_id)
 
-    def admit(self, request_id: str, emit_start: int) -> None:
-        """A scheduled request; rows before ``emit_start`` are never returned."""
+    def admit(self, request_id: str, emit_start: int, first_rows_room: int | None = None) -> None:
+        """A scheduled request; rows before ``emit_start`` are never returned. With
+        ``first_rows_room``, its first rows may be emitted as a file with room for that many
+        more (``StepResult.files``)."""
         if request_id not in self._requests:
-            self._requests[request_id] = RequestState(Cursors(emit=int(emit_start)))
+            self._requests[request_id] = RequestState(
+                Cursors(emit=int(emit_start)), first_rows_room=first_rows_room
+            )
 
     def admit_lost(self, request_ids: Iterable[str], failure: R3Failure) -> None:
         """Requests whose rows an earlier tracker held (a tracker process that went): each
@@ -270,7 +275,9 @@ class RequestTracker:
         step_reads: StepReads = {}
         for request_id, state, cursors, token_end in to_emit:
             try:
-                outputs[request_id] = self._emit(state, cursors, token_end, step_reads)
+                outputs[request_id] = self._emit(
+                    state, cursors, token_end, step_reads, result.files, request_id
+                )
             except Exception as error:
                 self._fail(request_id, state, error)
         with self._publication.one_tail_submission():
@@ -379,16 +386,23 @@ class RequestTracker:
         state: RequestState,
         cursors: Cursors,
         token_end: int,
-        step_reads: StepReads | None = None,
+        step_reads: StepReads,
+        files: dict[str, np.ndarray],
+        request_id: str,
     ) -> EmittedRows:
-        """Rows ``[emit, token_end)``: store rows for a prefix hit, then captured rows."""
+        """Rows ``[emit, token_end)``: store rows for a prefix hit, then captured rows. A
+        request's first such array may be made the data part of a file (``files``)."""
         emit_start, pending_start = cursors.emit, cursors.pending_start
         if pending_start is None:
             raise InternalError("rows are emitted before any was captured")
+        room, state.first_rows_room = state.first_rows_room, None
         if emit_start < pending_start:
             # One array for the span, the store rows read straight into it: no second copy
             # of the prefix (a concatenation that size releases the GIL, see buffer._as_items).
-            rows = self._layout.empty(token_end - emit_start, self.arrays)
+            # Where the frontend may adopt it, it is a file with room (core/row_file.py).
+            file, rows = rows_with_room(token_end - emit_start, room, self._layout, self.arrays)
+            if file is not None:
+                files[request_id] = file
             at = pending_start - emit_start
             self._hits.read_span(state, emit_start, rows[:at], self.namespace, step_reads)
             for part in state.pending:

@@ -19,6 +19,8 @@ request's executed tokens) and adds what the Artifact Connector needs:
   transport sends each array over 256 bytes as a frame of its own, and a 256-request decode
   batch's per-step frames cost the engine core's output thread and the frontend more CPU than
   the rest of R3 (``docs/design.md``, "A request's rows cross to the frontend in two parts");
+  where the worker made its first rows the data part of a ``.npy`` file with room for the
+  rest (a prefix hit, ``core/row_file.py``), that file goes instead and the frontend adopts it;
 * a worker-reported :class:`~vllm_artifact.core.failure.R3Failure` is recorded instead of
   tripping vLLM's assertion (which would kill the engine); the scheduler then finishes that
   request with an error.
@@ -63,6 +65,7 @@ from vllm_artifact.core.keys import (
     tail_block_key,
 )
 from vllm_artifact.core.objects_digest import ObjectsDigest, handle_digest
+from vllm_artifact.core.row_file import file_transport
 from vllm_artifact.errors import ArtifactError, InternalError
 from vllm_artifact.integration.hooks import require
 from vllm_artifact.integration.kv_events import eviction_ids
@@ -84,6 +87,11 @@ require(
     "scheduler_connector",
     "vLLM's Request(resumable=...) or SamplingParams.stop changed (which requests can end "
     "in the frontend)",
+)
+require(
+    "max_tokens" in Request.__init__.__code__.co_names,
+    "scheduler_connector",
+    "vLLM's Request no longer sets max_tokens (the room a held request's first rows leave)",
 )
 
 
@@ -217,6 +225,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
         scheduled = scheduler_output.num_scheduled_tokens
         sent = self._sent_hash_counts
         new_requests: dict[str, int] = {}
+        first_rows_room: dict[str, int] = {}
         hashes: dict[str, PackedBlockHashes] = {}
         # Only requests with new hashes (or new ones) go on, picked in one comprehension: in
         # steady decode that is about one request in a block size.
@@ -240,6 +249,8 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                     and request_id not in self._held.slots  # held rows survive preemption
                 ):
                     self._hold_pending.add(request_id)
+                    # the rows after its first ones: its generated tokens' but the last
+                    first_rows_room[request_id] = max(0, request.max_tokens - 1)
             if len(block_hashes) != num_sent:
                 hashes[request_id] = self._pack(block_hashes, num_sent)
                 sent[request_id] = len(block_hashes)
@@ -268,6 +279,7 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
             kv_evicted=evicted,
             kv_cleared=cleared,
             leases=leases,
+            first_rows_room=first_rows_room,
             runs_forward=scheduler_output.total_num_scheduled_tokens > 0,
         )
 
@@ -327,6 +339,12 @@ class ArtifactSchedulerConnector(SchedulerConnectorBase):
                 self._hold_pending.discard(request_id)
                 if not request.is_finished():
                     self._held.hold(request_id, token_start + len(rows))
+                # Made a file with room for the rest: the frontend adopts it (row_file.py).
+                step = self._step_output
+                file = None if step is None else step.files.get(request_id)
+                transport = None if file is None else file_transport(file, rows)
+                if transport is not None:
+                    return transport
             return rows
         except Exception as error:
             self._late_failures[request.request_id] = _internal_failure(request, error)

@@ -79,6 +79,7 @@ def step_facts(metadata: ArtifactStepMetadata) -> StepFacts:
         finished=tuple(metadata.finished_requests),
         tails=metadata.tails,
         leases=frozenset(metadata.leases),
+        first_rows_room=metadata.first_rows_room,
     )
 
 

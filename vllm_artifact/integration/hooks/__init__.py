@@ -208,7 +208,8 @@ PATCHES: tuple[Patch, ...] = (
         "and key leases, and a keys-only request gets a handle instead of rows.",
         how="ArtifactSchedulerConnector subclasses it: build_connector_meta wraps vLLM's "
         "metadata in ArtifactStepMetadata (emit starts only for requests the worker has not "
-        "seen); take_output reads our column-wise StepResult and never raises into vLLM; "
+        "seen, and the room for a held request's first rows, from Request.max_tokens); "
+        "take_output reads our column-wise StepResult and never raises into vLLM; "
         "request_finished also hashes the tail block; __init__ checks the private state "
         "below.",
         upstream="vllm-project/vllm#45635 (merged) introduced the connector; "
@@ -320,7 +321,9 @@ PATCHES: tuple[Patch, ...] = (
         "across processes and read only by our connectors (vLLM types the output as a dict "
         "of AuxRequestOutput: its Ray executor iterates it and is not supported). A "
         "keys-only request's terminal output carries a [1, n] uint8 array (R3 rows are "
-        "3-D) that terminal_output turns into an R3Keys.",
+        "3-D) that terminal_output turns into an R3Keys; a held request's first rows may "
+        "travel as a 1-D uint8 .npy file with room behind them (core/row_file.py), which "
+        "terminal_output's ArrivingRows adopts and lists as their rows.",
         upstream="None: the fields are typed for vLLM's own connector.",
         removal="Typed extension fields upstream.",
     ),
@@ -427,7 +430,9 @@ PATCHES: tuple[Patch, ...] = (
         "the frontend's one output thread (the round's tail, the engine idle).",
         how="RequestState's chunk list becomes an ArrivingRows (core/row_assembly.py) that "
         "copies each chunk on arrival into the data part of a complete .npy (memory of the "
-        "frontend's file pool, used again once earlier rows are dropped); at the end "
+        "frontend's file pool, used again once earlier rows are dropped), or adopts a first "
+        "chunk the engine sent as such a file with room for the rest (core/row_file.py) "
+        "and copies only the later rows; at the end "
         "that file is used, or the chunks are concatenated into one, "
         "base64-encoded straight to str (the same text); the routers' JSON response joins "
         "that text into the rendered JSON (the same bytes); a transported keys handle "

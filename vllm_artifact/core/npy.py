@@ -16,6 +16,7 @@ last two into fresh ``bytes`` and ``str`` (each page faults on first touch). Her
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -40,12 +41,19 @@ _DECODE_SLICE = 1 << 20
 def npy_header(shape: Sequence[int], dtype: np.dtype[Any]) -> bytes | None:
     """The header ``np.save`` writes for a C-ordered array of ``shape`` and ``dtype``, or None
     where ``np.save`` would write another format version or refuse (object dtypes)."""
+    return _npy_header(tuple(int(n) for n in shape), dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes | None:
+    """(Kept for the shapes seen last: a request's header is made on the engine's step
+    thread and on the frontend's output thread, 5 us each, and lengths often repeat.)"""
     if dtype.hasobject:
         return None
     header = {
         "descr": np.lib.format.dtype_to_descr(dtype),
         "fortran_order": False,
-        "shape": tuple(int(n) for n in shape),
+        "shape": shape,
     }
     fp = io.BytesIO()
     try:

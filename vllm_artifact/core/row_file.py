@@ -27,6 +27,7 @@ from vllm_artifact.core.recycled_arrays import RecycledArrays, empty
 from vllm_artifact.core.schema import R3Layout
 
 __all__ = [
+    "HEADER_NBYTES",
     "ROOM_SHARE_MAX",
     "file_transport",
     "is_file_transport",
@@ -37,6 +38,10 @@ __all__ = [
 
 #: Room for later rows is made only up to this share of the first rows: it travels with them.
 ROOM_SHARE_MAX = 0.25
+#: The header's space: what ``np.save`` writes for rows of any shape R3 has (format 1.0, the
+#: shape's digits well within the room numpy leaves for the first axis to grow).
+#: :func:`file_transport` checks it against the header it writes.
+HEADER_NBYTES = 128
 _MAGIC = b"\x93NUMPY\x01\x00"  # format 1.0, the one npy_header writes
 _PREAMBLE = len(_MAGIC) + 2  # then the header's length, little-endian uint16
 
@@ -52,18 +57,12 @@ def rows_with_room(
     """An uninitialized array for ``num_rows`` rows and, where ``room_rows`` is given and
     :func:`room_fits`, the uint8 file it is the data part of (header space, the rows,
     ``room_rows`` more); else None and an array of its own."""
-    shape = (num_rows, layout.num_layers, layout.top_k)
     if room_rows is None or not room_fits(num_rows, room_rows):
         return None, layout.empty(num_rows, arrays)
-    capacity = num_rows + room_rows
-    header = npy_header((capacity, *shape[1:]), layout.dtype)
-    if header is None:
-        return None, layout.empty(num_rows, arrays)
-    row_nbytes = layout.dtype.itemsize * math.prod(shape[1:])
-    file = empty((len(header) + capacity * row_nbytes,), np.uint8, arrays)
-    start = len(header)
-    rows = file[start : start + num_rows * row_nbytes].view(layout.dtype).reshape(shape)
-    return file, rows
+    row_nbytes = layout.row_nbytes
+    file = empty((HEADER_NBYTES + (num_rows + room_rows) * row_nbytes,), np.uint8, arrays)
+    rows = file[HEADER_NBYTES : HEADER_NBYTES + num_rows * row_nbytes]
+    return file, rows.view(layout.dtype).reshape(num_rows, layout.num_layers, layout.top_k)
 
 
 def file_transport(file: np.ndarray, rows: np.ndarray) -> np.ndarray | None:

@@ -158,6 +158,7 @@ class FakeRequest:
         own_tag: int,
         prompt_blocks: int,
         shared_blocks: int | None = None,
+        max_tokens: int = 4096,
     ) -> None:
         """``shared_blocks`` of the ``prompt_blocks`` (all by default) carry ``prefix_tag``'s
         hashes; the KV cache holds them, so the request's first step starts after them (or at
@@ -169,6 +170,7 @@ class FakeRequest:
         self.own_from = 0 if prefix_tag == own_tag else shared  # first own block
         self.num_prompt_tokens = prompt_blocks * bs + 1
         self.num_tokens = self.num_prompt_tokens
+        self.max_tokens = max_tokens  # decode: a budget its random end comes before
         self.block_hashes = [block_hash(prefix_tag, i) for i in range(shared)]
         self.block_hashes += [block_hash(own_tag, i) for i in range(shared, prompt_blocks)]
         # Tokens in the KV cache (bench state; the connectors read it from the input batch).
@@ -307,7 +309,15 @@ class Config:
     ) -> FakeRequest:
         own = 1000 + self.next_id
         prefix_tag = 0 if hit else own
-        request = FakeRequest(f"r{self.next_id}", prefix_tag, own, prompt_blocks, shared_blocks)
+        shape = self.prefill_shape
+        request = FakeRequest(
+            f"r{self.next_id}",
+            prefix_tag,
+            own,
+            prompt_blocks,
+            shared_blocks,
+            **({} if shape is None else {"max_tokens": shape.output_tokens}),
+        )
         self.next_id += 1
         if self.name == KEYS:
             request.sampling_params.extra_args = {R3_FORMAT_OPTION: "keys"}

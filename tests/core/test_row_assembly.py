@@ -225,3 +225,16 @@ def test_a_file_in_a_list_that_falls_back_is_concatenated_as_its_rows() -> None:
     np.testing.assert_array_equal(joined, np.concatenate([chunk(90, 1), prompt, chunk(40, 3)]))
     arriving[-1] = sent_as_file(chunk(50, 2), room=0)  # a replaced last chunk, as rows
     np.testing.assert_array_equal(arriving[-1], chunk(50, 2))
+
+
+def test_a_file_that_cannot_be_read_fails_the_request_at_its_end_not_the_frontend() -> None:
+    """vLLM's output handler serves every request: a file whose header claims more rows than
+    it holds is listed as it came, and the request's end raises (the hook fails it)."""
+    sent = sent_as_file(chunk(0, 40), room=0)
+    arriving = ArrivingRows()
+    arriving.append(sent[:-1])
+    arriving.append(chunk(40, 2))
+    arriving[-1] = sent[:-15]
+    assert len(arriving) == 2
+    with pytest.raises(ValueError, match="too short"):
+        arriving.joined()

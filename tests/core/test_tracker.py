@@ -235,7 +235,7 @@ def test_prefix_hit_rows_from_mid_block_positions(
 
 def test_missing_object_fails_only_that_request(tracker: Parts, layout: R3Layout) -> None:
     t, _, _ = tracker
-    t.admit("hit", 0)
+    t.admit("hit", 0, first_rows_room=0)  # its rows would have been a file
     t.add_block_hashes({"hit": hashes("never-published", 1)})
     t.admit("ok", 0)
     t.step_started(["hit", "ok"])
@@ -250,6 +250,7 @@ def test_missing_object_fails_only_that_request(tracker: Parts, layout: R3Layout
     failure = entry_of(results, "hit")
     assert isinstance(failure, R3Failure) and failure.reason == "missing"
     assert "Increase --artifact-capacity" in failure.message
+    assert "hit" not in results.files
     assert isinstance(entry_of(results, "ok"), EmittedRows)
     # The failure is reported once; later steps of the failed request return nothing.
     assert step(t, "hit", BS + 3, rows_for(layout, 5, 1)) is None

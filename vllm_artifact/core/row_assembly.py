@@ -67,6 +67,7 @@ class ArrivingRows(list):
 
     __slots__ = (
         "_dtype",
+        "_error",
         "_file",
         "_header_nbytes",
         "_pool",
@@ -87,20 +88,23 @@ class ArrivingRows(list):
         self._row_shape: tuple[int, ...] = ()
         self._dtype: np.dtype[Any] = np.dtype(np.uint8)
         self._sources: list[Any] | None = []  # the chunks copied, in order; None: given up
+        self._error = ""  # why a chunk sent as a file could not be read (the request fails)
 
     def append(self, chunk: Any) -> None:
         if is_file_transport(chunk):
-            header_nbytes, rows = read_file_transport(chunk)
-            super().append(rows)
-            if not self._adopt(chunk, header_nbytes, rows):
-                self._copy(rows)
-            return
+            read = self._read(chunk)
+            if read is not None:
+                super().append(read[1])
+                if not self._adopt(chunk, *read):
+                    self._copy(read[1])
+                return
         super().append(chunk)
         self._copy(chunk)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         if is_file_transport(value):
-            value = read_file_transport(value)[1]
+            read = self._read(value)
+            value = value if read is None else read[1]
         super().__setitem__(index, value)
         sources = self._sources
         if sources is None:
@@ -116,7 +120,10 @@ class ArrivingRows(list):
         """The rows of every chunk, in order, as the data part of a complete ``.npy`` file (no
         copy), or None where the list is not exactly the chunks copied (then concatenate
         it). The file is handed over: later chunks only go into the list (a resumable
-        request's next end concatenates it)."""
+        request's next end concatenates it). ``ValueError`` where a chunk sent as a file
+        could not be read: the request has no rows to answer with."""
+        if self._error:
+            raise ValueError(self._error)
         sources, rows = self._sources, self._rows
         self._sources, self._rows = None, 0
         if (
@@ -179,6 +186,15 @@ class ArrivingRows(list):
         del target  # no view of the file outlives this call
         self._rows += len(chunk)
         sources.append(chunk)
+
+    def _read(self, file: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """:func:`read_file_transport`, or None with the request failed at its end: this runs
+        in vLLM's output handler, which must not raise for one request."""
+        try:
+            return read_file_transport(file)
+        except ValueError as error:
+            self._sources, self._error = None, f"R3 rows sent as a file could not be read: {error}"
+            return None
 
     def _adopt(self, file: np.ndarray, header_nbytes: int, rows: np.ndarray) -> bool:
         """Take ``file`` (a writable file transport: header, ``rows``, room) as the file, if

@@ -279,6 +279,7 @@ class RequestTracker:
                     state, cursors, token_end, step_reads, result.files, request_id
                 )
             except Exception as error:
+                result.files.pop(request_id, None)
                 self._fail(request_id, state, error)
         with self._publication.one_tail_submission():
             for i in other_entries:

@@ -156,7 +156,8 @@ class Worker:
         self.config = config
         self.timers = timers  # step_timers in the engine core
         # variants (experiments): "ours+nocap", vLLM's per-layer capture unbound after
-        # start-up, and "ours+nocopy", no device-to-host copy of the rows (both: R3 wrong by
+        # start-up, "ours+nocopy", no device-to-host copy of the rows, and "ours+nojoin", the
+        # frontend's join skipped, a request's first chunk its answer (these: R3 wrong by
         # design); "ours+pinnedviews", the rows handed on as views of the pinned copy, and
         # "ours+perlayer", vLLM's per-layer capture in eager steps instead of ours, batched;
         # "ours+fresh", row arrays in fresh memory, not reused; "ours+background", every batch
@@ -169,8 +170,6 @@ class Worker:
         # runs with 0.5 ms by default: "off+switch" is the control, "ours+pyswitch" ours with
         # --artifact-switch-interval-ms keep, the interpreter's 5 ms); "+thp"
         # and "+keep", the allocator settings docs/configuration.md recommends;
-        # "ours+nojoin", the frontend copies no R3 (a request's first chunk is its answer:
-        # R3 wrong by design; what the frontend's join costs the round, at most);
         # "ours+earlyfacts", a step's facts applied before its forward is queued (these:
         # R3 right, report.RIGHT_R3); "+twin", nothing changed: a second
         # engine of the same configuration in the same rounds, an A/A control of the measure

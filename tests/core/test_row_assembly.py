@@ -189,6 +189,7 @@ def test_a_first_chunk_sent_as_a_file_is_adopted_and_the_rest_goes_into_its_room
     assert file is not None and file.tobytes() == npy_bytes(expected)
     assert encode_npy_base64(joined) == encode_npy_base64(expected)
     assert np.shares_memory(joined, sent) == (tail <= 10)  # adopted while the room lasts
+    assert arriving.adopted
 
 
 @pytest.mark.parametrize(
@@ -209,7 +210,7 @@ def test_a_file_that_cannot_be_adopted_is_copied_like_any_chunk(arrive: object) 
     expected = np.concatenate([np.asarray(c) for c in arriving])
     np.testing.assert_array_equal(joined[-40:], prompt)
     assert npy_file_of(joined) is not None and npy_file_of(joined).tobytes() == npy_bytes(expected)  # type: ignore[union-attr]
-    assert not np.shares_memory(joined, read_only)
+    assert not np.shares_memory(joined, read_only) and not arriving.adopted
 
 
 def test_a_file_in_a_list_that_falls_back_is_concatenated_as_its_rows() -> None:

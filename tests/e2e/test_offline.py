@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_artifact_testing.engine_probe import (
@@ -177,24 +178,25 @@ def test_the_frontends_files_come_from_its_pool_and_are_used_again_once_dropped(
 
 
 def test_a_prefix_hits_first_rows_arrive_in_the_file_the_engine_made(
-    llm_a: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch
+    llm_a: Any, model_a: Path
 ) -> None:
     """A repeated long prompt: the engine reads its hit rows from the store into a new array
     with its computed rows, made the data part of a ``.npy`` file with room for the generated
     tokens' rows; the frontend adopts the frame that file arrives in instead of copying the
-    prompt's rows. The answer is the oracle's, as the first time, and exactly np.save's file."""
-    adopted: list[bool] = []
-    adopt = ArrivingRows._adopt
+    prompt's rows (counted on /metrics). The answer is the oracle's, as the first time, and
+    exactly np.save's file."""
 
-    def spied(self: ArrivingRows, file: np.ndarray, header: int, rows: np.ndarray) -> bool:
-        adopted.append(adopt(self, file, header, rows))
-        return adopted[-1]
+    def files(how: str) -> float:
+        found = REGISTRY.get_sample_value("vllm_artifact_frontend_files_total", {"how": how})
+        return found or 0.0
 
-    monkeypatch.setattr(ArrivingRows, "_adopt", spied)
+    copied, adopted = files("copied"), files("adopted")
     first = llm_a.generate([LONG_PROMPT], GREEDY)[0]
-    assert adopted == []  # no prefix hit: its rows are views of steps' arrays, copied
+    # no prefix hit: its rows are views of steps' arrays, copied as they arrive
+    assert (files("copied"), files("adopted")) == (copied + 1, adopted)
     again = llm_a.generate([LONG_PROMPT], GREEDY)[0]
-    assert again.num_cached_tokens > 0 and adopted == [True]
+    assert again.num_cached_tokens > 0
+    assert (files("copied"), files("adopted")) == (copied + 1, adopted + 1)
     rows = assert_matches_oracle(model_a, again)
     np.testing.assert_array_equal(rows, first.outputs[0].routed_experts)
     file = npy_file_of(rows)

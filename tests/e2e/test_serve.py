@@ -436,7 +436,8 @@ def test_prometheus_metrics_on_vllms_metrics_endpoint(
         found: dict[tuple[str, str], float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                key = (sample.name, sample.labels.get("reason") or sample.labels.get("le", ""))
+                label = sample.labels.get("reason") or sample.labels.get("how")
+                key = (sample.name, label or sample.labels.get("le", ""))
                 if sample.name.startswith("vllm_artifact_"):
                     assert key not in found, f"two samples for {key}"
                 found[key] = sample.value
@@ -459,6 +460,15 @@ def test_prometheus_metrics_on_vllms_metrics_endpoint(
     assert delta("vllm_artifact_read_seconds_bucket", "+Inf") >= 1
     assert delta("vllm_artifact_published_objects_total") > 0
     assert delta("vllm_artifact_publish_seconds_count") > 0
+    assert delta("vllm_artifact_frontend_files_total", "copied") == 1  # the first: no hit
+
+    # The same prompt asking for rows: a prefix hit's first rows arrive as their file.
+    start = served
+    again = post(server_a, "/v1/completions", body)
+    check_choice(model_a, again["choices"][0]["prompt_token_ids"], again["choices"][0])
+    served = scrape()
+    assert delta("vllm_artifact_frontend_files_total", "adopted", start) == 1
+    assert delta("vllm_artifact_frontend_files_total", "copied", start) == 0
 
     # Make this prompt's objects corrupt: its next request fails closed, counted by reason.
     keys, _, _ = R3Keys.from_json(hit["choices"][0]["routed_experts"]).object_keys()

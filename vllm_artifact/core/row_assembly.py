@@ -66,6 +66,7 @@ class ArrivingRows(list):
     """vLLM's list of a request's R3 chunks, each chunk also copied into one ``.npy`` file."""
 
     __slots__ = (
+        "_adopted",
         "_dtype",
         "_error",
         "_file",
@@ -89,6 +90,7 @@ class ArrivingRows(list):
         self._dtype: np.dtype[Any] = np.dtype(np.uint8)
         self._sources: list[Any] | None = []  # the chunks copied, in order; None: given up
         self._error = ""  # why a chunk sent as a file could not be read (the request fails)
+        self._adopted = False
 
     def append(self, chunk: Any) -> None:
         if is_file_transport(chunk):
@@ -153,6 +155,11 @@ class ArrivingRows(list):
         return file[len(header) :].view(self._dtype).reshape(shape)
 
     @property
+    def adopted(self) -> bool:
+        """Whether the first chunk came as a file and was taken as the request's file."""
+        return self._adopted
+
+    @property
     def _row_nbytes(self) -> int:
         return self._dtype.itemsize * int(np.prod(self._row_shape, dtype=np.int64))
 
@@ -207,6 +214,7 @@ class ArrivingRows(list):
         self._dtype, self._row_shape = rows.dtype, rows.shape[1:]
         self._rows = len(rows)
         sources.append(rows)
+        self._adopted = True
         return True
 
     def _grow(self, nbytes: int, used: int) -> None:

@@ -8,7 +8,9 @@ Registered in the process that builds the engine configuration (vLLM's API serve
   ``metrics`` file under the artifact root (written by the engine's rank zero, see
   ``core/store/shm_metrics.py``), labelled with the store's name;
 * requests failed closed, by reason, counted where the frontend turns them into errors
-  (``hooks/request_errors.py``).
+  (``hooks/request_errors.py``);
+* requests whose R3 array the frontend assembled, by how (``hooks/terminal_output.py``):
+  whether the fast paths of ``docs/design.md`` are in effect.
 
 Limit: with ``--api-server-count > 1`` vLLM serves metrics in prometheus_client's
 multiprocess mode, which does not ask custom collectors; the store metrics are then missing.
@@ -32,12 +34,18 @@ from prometheus_client.registry import Collector
 
 from vllm_artifact.core.store.shm_metrics import Histogram, StoreMetrics
 
-__all__ = ["FAILED_REQUESTS", "StoreCollector", "register_store_metrics"]
+__all__ = ["FAILED_REQUESTS", "FRONTEND_FILES", "StoreCollector", "register_store_metrics"]
 
 FAILED_REQUESTS = Counter(
     "vllm_artifact_failed_requests",
     "Requests failed closed because their routed experts (R3) could not be delivered completely",
     ["reason"],
+)
+FRONTEND_FILES = Counter(
+    "vllm_artifact_frontend_files",
+    "Requests whose R3 array the frontend assembled, by how: adopted (the engine sent the "
+    "first rows as their .npy file), copied as they arrived, or concatenated at the end",
+    ["how"],
 )
 
 

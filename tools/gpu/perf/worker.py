@@ -146,7 +146,20 @@ def store_counts(llm: Any) -> dict[str, int]:
             "reads": connector.reads,
         }
 
-    return next((s for s in llm.collective_rpc(stats) if s), {})
+    counts = next((s for s in llm.collective_rpc(stats) if s), {})
+    return {**counts, **frontend_files()}
+
+
+def frontend_files() -> dict[str, int]:
+    """This process's (the frontend's) R3 arrays so far, by how it assembled them
+    (``vllm_artifact_frontend_files_total``: adopted as sent, copied, concatenated)."""
+    from prometheus_client import REGISTRY
+
+    name = "vllm_artifact_frontend_files_total"
+    return {
+        f"files_{how}": int(REGISTRY.get_sample_value(name, {"how": how}) or 0)
+        for how in ("adopted", "copied", "concatenated")
+    }
 
 
 class Worker:

@@ -42,6 +42,7 @@ from vllm_artifact.core.row_assembly import RESERVE_ROWS_MAX, ArrivingRows, File
 from vllm_artifact.integration.hooks.after_import import patch_module
 from vllm_artifact.integration.hooks.patching import require, require_attributes, wrap_once
 from vllm_artifact.integration.hooks.request_errors import record_failure
+from vllm_artifact.integration.metrics import FRONTEND_FILES
 
 logger = logging.getLogger("vllm.artifact")
 
@@ -149,8 +150,9 @@ def _finished_output(
     handle made an :class:`R3Keys`)."""
     chunks = self.routed_experts_chunks
     merged = chunks.joined() if isinstance(chunks, ArrivingRows) else None
+    how = "adopted" if isinstance(chunks, ArrivingRows) and chunks.adopted else "copied"
     if merged is None:
-        merged = concatenate_into_npy(chunks)
+        merged, how = concatenate_into_npy(chunks), "concatenated"
     if merged is None:
         output = original(self, token_ids, finish_reason, stop_reason, *args, **kwargs)
     else:
@@ -163,6 +165,8 @@ def _finished_output(
     transported = output.routed_experts
     if transported is not None and R3Keys.is_transport(transported):
         output.routed_experts = R3Keys.from_transport(transported)
+    elif merged is not None:
+        FRONTEND_FILES.labels(how).inc()
     return output
 
 

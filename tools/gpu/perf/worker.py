@@ -146,8 +146,7 @@ def store_counts(llm: Any) -> dict[str, int]:
             "reads": connector.reads,
         }
 
-    counts = next((s for s in llm.collective_rpc(stats) if s), {})
-    return {**counts, **frontend_files()}
+    return next((s for s in llm.collective_rpc(stats) if s), {})
 
 
 def frontend_files() -> dict[str, int]:
@@ -336,7 +335,7 @@ class Worker:
         prompts, max_tokens = workload_prompts(workload, seed, scale, repeat=repeat)
         sampler = WaitSampler(self.engine_pids[0]) if waits and self.engine_pids else None
         self.llm.reset_prefix_cache()
-        before_store = store_counts(self.llm) if self.base == "ours" else {}
+        before_store = {**store_counts(self.llm), **frontend_files()} if self.base == "ours" else {}
         before = counters(self.llm)
         pids = [os.getpid(), *self.engine_pids]
         names = python_thread_names()
@@ -369,7 +368,7 @@ class Worker:
         timers = self.read_step_timers()
         timeline = self.read_gpu_timeline()
         after = counters(self.llm)
-        after_store = store_counts(self.llm) if self.base == "ours" else {}
+        after_store = {**store_counts(self.llm), **frontend_files()} if self.base == "ours" else {}
         keys_rows, keys_figures = read_keys(outputs) if "keys" in self.variants else ({}, {})
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -526,8 +525,12 @@ class Worker:
         return {}
 
     def stop(self) -> None:
+        """vLLM's own shutdown first (it unlinks its shared-memory queues, 400 MB of
+        /dev/shm on the CPU build), then whatever is left is killed."""
         import psutil
 
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
         for pid in self.engine_pids:
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)

@@ -83,15 +83,11 @@ _PUBLISH_TAIL_STATUSES = frozenset(
 _RUNNING = RequestStatus.RUNNING
 require(
     "resumable" in inspect.signature(Request.__init__).parameters
+    and "max_tokens" in Request.__init__.__code__.co_names
     and "stop" in getattr(SamplingParams, "__struct_fields__", ()),
     "scheduler_connector",
-    "vLLM's Request(resumable=...) or SamplingParams.stop changed (which requests can end "
-    "in the frontend)",
-)
-require(
-    "max_tokens" in Request.__init__.__code__.co_names,
-    "scheduler_connector",
-    "vLLM's Request no longer sets max_tokens (the room a held request's first rows leave)",
+    "vLLM's Request(resumable=...), Request.max_tokens or SamplingParams.stop changed (which "
+    "requests can end in the frontend, and the room their first rows leave)",
 )
 
 

@@ -43,6 +43,7 @@ from engine_hooks import (
     torch_profile,
     unbind_capture,
 )
+from frontend_hooks import frontend_files, no_frontend_join
 from gpu_timeline import gpu_timeline
 from hw_counters import open_counters
 from keys_read import KEYS_CAPACITY, KEYS_LEASE_S, read_keys
@@ -147,18 +148,6 @@ def store_counts(llm: Any) -> dict[str, int]:
         }
 
     return next((s for s in llm.collective_rpc(stats) if s), {})
-
-
-def frontend_files() -> dict[str, int]:
-    """This process's (the frontend's) R3 arrays so far, by how it assembled them
-    (``vllm_artifact_frontend_files_total``: adopted as sent, copied, concatenated)."""
-    from prometheus_client import REGISTRY
-
-    name = "vllm_artifact_frontend_files_total"
-    return {
-        f"files_{how}": int(REGISTRY.get_sample_value(name, {"how": how}) or 0)
-        for how in ("adopted", "copied", "concatenated")
-    }
 
 
 class Worker:
@@ -537,19 +526,6 @@ class Worker:
                 for child in [proc, *proc.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
                         child.kill()
-
-
-def no_frontend_join() -> str:
-    """``+nojoin`` (this process is the frontend): R3's chunks are only listed, never copied,
-    and a request's first chunk (a view of the frame it arrived in) is its answer."""
-    from vllm_artifact.core.row_assembly import ArrivingRows
-
-    def first_chunk(rows: Any) -> Any:
-        return rows[0] if len(rows) and isinstance(rows[0], np.ndarray) else None
-
-    ArrivingRows._copy = lambda rows, chunk: None  # type: ignore[method-assign]
-    ArrivingRows.joined = first_chunk  # type: ignore[method-assign]
-    return "frontend: no join, first chunk only"
 
 
 def main() -> None:

@@ -73,6 +73,7 @@ import numpy as np
 
 from vllm_artifact.core.failure import R3Failure
 from vllm_artifact.core.handoff import KeysContext
+from vllm_artifact.core.npy import byte_offset
 from vllm_artifact.errors import InternalError
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ class _RowsInFile(NamedTuple):
         if file is None or not isinstance(entry, EmittedRows):
             return entry
         rows = entry.rows
-        offset = rows.__array_interface__["data"][0] - file.__array_interface__["data"][0]
+        offset = byte_offset(rows, file)
         if not rows.flags.c_contiguous or not 0 <= offset <= file.nbytes - rows.nbytes:
             return entry
         return cls(entry.token_start, offset, rows.shape, rows.dtype.str)

@@ -25,6 +25,7 @@ import numpy as np
 import pybase64
 
 __all__ = [
+    "byte_offset",
     "concatenate_into_npy",
     "decode_npy_base64",
     "empty_npy_file",
@@ -63,6 +64,12 @@ def _npy_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes | None:
     return fp.getvalue()
 
 
+def byte_offset(view: np.ndarray, buffer: np.ndarray) -> int:
+    """Where ``view``'s data starts in ``buffer``'s, in bytes (outside ``[0, buffer.nbytes)``
+    where it lies elsewhere)."""
+    return int(view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0])
+
+
 def empty_npy_file(
     shape: Sequence[int], dtype: np.dtype[Any]
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -94,8 +101,7 @@ def npy_file_of(array: np.ndarray) -> np.ndarray | None:
     ):
         return None
     header_nbytes = file.nbytes - array.nbytes
-    start = array.__array_interface__["data"][0] - file.__array_interface__["data"][0]
-    if header_nbytes <= 0 or start != header_nbytes:
+    if header_nbytes <= 0 or byte_offset(array, file) != header_nbytes:
         return None
     header = npy_header(array.shape, array.dtype)
     if header is None or len(header) != header_nbytes or file[:header_nbytes].tobytes() != header:

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from vllm_artifact.core.npy import npy_header
+from vllm_artifact.core.npy import byte_offset, npy_header
 from vllm_artifact.core.recycled_arrays import RecycledArrays, empty
 from vllm_artifact.core.schema import R3Layout
 
@@ -71,7 +71,7 @@ def file_transport(file: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     header does not fit the space before them (send ``rows`` instead)."""
     if not rows.flags.c_contiguous or file.dtype != np.uint8 or file.ndim != 1:
         return None
-    start = rows.__array_interface__["data"][0] - file.__array_interface__["data"][0]
+    start = byte_offset(rows, file)
     header = npy_header(rows.shape, rows.dtype)
     if header is None or start != len(header) or start + rows.nbytes > file.nbytes:
         return None
